@@ -1,0 +1,113 @@
+"""Bit packing and index coding, in torch so they run on the tensor's device.
+
+* ``pack_bits`` / ``unpack_bits``: unsigned integers of a fixed width (1..62 bits), MSB first.
+* ``rice_encode`` / ``rice_decode``: sorted distinct indices as Golomb-Rice coded gaps. The
+  unary quotients and the r-bit remainders go to two separate streams, so both directions are
+  vectorised (no per-element Python loop). The cost is ``k (r + 1) + sum(gap >> r)`` bits, the
+  same as interleaved Rice coding; r is chosen per message to minimise it. For gaps that are
+  roughly geometric (top-k of a dense update) this lands within about 1% of log2 C(n, k).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedcomp.errors import DecodeError
+
+
+def packed_bytes(count: int, bits: int) -> int:
+    """Bytes that ``count`` values of ``bits`` bits occupy once packed."""
+    return (count * bits + 7) // 8
+
+
+def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack non-negative integers < 2**bits into a uint8 tensor (on the values' device)."""
+    values = values.reshape(-1)
+    count = values.numel()
+    if count == 0:
+        return torch.empty(0, dtype=torch.uint8, device=values.device)
+    if 8 % bits == 0:  # 1, 2, 4, 8 bits: several values per byte, no bit matrix
+        per = 8 // bits
+        v = values.to(torch.uint8)
+        pad = (-count) % per
+        if pad:
+            v = torch.cat([v, v.new_zeros(pad)])
+        v = v.view(-1, per)
+        shifts = torch.arange(8 - bits, -1, -bits, device=v.device, dtype=torch.uint8)
+        return (v << shifts).sum(dim=1, dtype=torch.uint8) if per > 1 else v.reshape(-1)
+    shifts = torch.arange(bits - 1, -1, -1, device=values.device, dtype=torch.int64)
+    bitmat = ((values.to(torch.int64).unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
+    return pack_bits(bitmat, 1)
+
+
+def unpack_bits(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``count`` values, as int64."""
+    if data.numel() != packed_bytes(count, bits):
+        raise DecodeError(f"bit stream holds {data.numel()} bytes, {count} values of {bits} bits need {packed_bytes(count, bits)}")
+    if count == 0:
+        return torch.empty(0, dtype=torch.int64, device=data.device)
+    if 8 % bits == 0:
+        per = 8 // bits
+        shifts = torch.arange(8 - bits, -1, -bits, device=data.device, dtype=torch.uint8)
+        mask = (1 << bits) - 1
+        v = ((data.unsqueeze(1) >> shifts) & mask).reshape(-1)[:count]
+        return v.to(torch.int64)
+    flat = unpack_bits(data, packed_bytes(count, bits) * 8, 1)[: count * bits].view(count, bits)
+    weights = (1 << torch.arange(bits - 1, -1, -1, device=data.device, dtype=torch.int64))
+    return (flat * weights).sum(dim=1)
+
+
+def fixed_index_bits(n: int) -> int:
+    """Bits per index for plain fixed-width index coding over n positions."""
+    return max(1, math.ceil(math.log2(n))) if n > 1 else 1
+
+
+def rice_cost_bits(gaps: torch.Tensor, r: int) -> int:
+    return int(gaps.numel() * (r + 1) + (gaps >> r).sum().item())
+
+
+def _gaps(indices: torch.Tensor) -> torch.Tensor:
+    return torch.diff(indices, prepend=indices.new_full((1,), -1)) - 1
+
+
+def choose_rice_parameter(indices: torch.Tensor, n: int) -> int:
+    """The Rice parameter that minimises the coded size of these sorted indices."""
+    k = indices.numel()
+    if k == 0:
+        return 0
+    gaps = _gaps(indices)
+    guess = max(0, round(math.log2(max(1.0, (n / k) * math.log(2)))))
+    candidates = range(max(0, guess - 2), min(40, guess + 3))
+    return min(candidates, key=lambda r: rice_cost_bits(gaps, r))
+
+
+def rice_encode(indices: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Code sorted distinct int64 indices; returns (unary stream, remainder stream)."""
+    gaps = _gaps(indices)
+    q = gaps >> r
+    total = int(q.sum().item()) + q.numel()
+    bits = torch.ones(total + (-total) % 8, dtype=torch.uint8, device=indices.device)
+    bits[torch.cumsum(q + 1, 0) - 1] = 0  # each quotient: q ones, then a terminating zero
+    unary = pack_bits(bits, 1)
+    rem = pack_bits(gaps & ((1 << r) - 1), r) if r else torch.empty(0, dtype=torch.uint8, device=indices.device)
+    return unary, rem
+
+
+def rice_decode(unary: torch.Tensor, rem: torch.Tensor, k: int, r: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`rice_encode`; validates that exactly k indices, all < n, come out."""
+    bits = unpack_bits(unary, unary.numel() * 8, 1)
+    zeros = torch.nonzero(bits == 0).reshape(-1)
+    if zeros.numel() != k:
+        raise DecodeError(f"index stream codes {zeros.numel()} indices, header says {k}")
+    if k and zeros[-1] < bits.numel() - 8:
+        raise DecodeError("index stream has trailing bytes")
+    q = torch.diff(zeros, prepend=zeros.new_full((1,), -1)) - 1
+    if k and int(q.max()) > (n >> r):
+        raise DecodeError(f"index gap out of range for {n} positions")
+    remainders = unpack_bits(rem, k, r) if r else torch.zeros(k, dtype=torch.int64, device=unary.device)
+    indices = torch.cumsum((q << r) + remainders + 1, 0) - 1
+    if k and int(indices[-1]) >= n:
+        raise DecodeError(f"index {int(indices[-1])} out of range for {n} positions")
+    return indices

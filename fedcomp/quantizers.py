@@ -1,0 +1,368 @@
+"""Quantizers: how the values that travel are coded. Each works on a 1-D float32 vector.
+
+Per-block parameters (scales, minima, norms) are fp32 and precede the packed codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fedcomp.base import Quantizer, blocks, register
+from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits
+from fedcomp.errors import DecodeError
+from fedcomp.wire import Reader, Writer
+
+_FP16_MAX = 65504.0
+
+
+def _blocked(x: torch.Tensor, block: int) -> torch.Tensor:
+    """View x as (blocks, block) with zero padding at the end (block 0: one row)."""
+    if block == 0 or x.numel() == 0:
+        return x.reshape(1 if x.numel() else 0, -1)
+    return F.pad(x, (0, (-x.numel()) % block)).view(-1, block)
+
+
+def _block_counts(count: int, block: int, device: torch.device) -> torch.Tensor:
+    nb = blocks(count, block)
+    size = count if block == 0 else block
+    sizes = torch.full((nb,), float(size), device=device)
+    if nb and block and count % block:
+        sizes[-1] = count % block
+    return sizes
+
+
+def _uniform(shape: torch.Size, gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    return torch.rand(shape, generator=gen, device=device)
+
+
+@register
+class Identity(Quantizer):
+    """Plain fp32 values (lossless)."""
+
+    name = "none"
+    unbiased = True
+
+    @dataclass(frozen=True)
+    class Config:
+        pass
+
+    def nbytes(self, count: int) -> int:
+        return 4 * count
+
+    def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        out.tensor(x)
+        return x
+
+    def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+        return src.tensor(count, torch.float32).to(device)
+
+
+class _HalfFloat(Quantizer):
+    dtype: torch.dtype
+
+    @dataclass(frozen=True)
+    class Config:
+        pass
+
+    def nbytes(self, count: int) -> int:
+        return 2 * count
+
+    def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        y = x.clamp(-_FP16_MAX, _FP16_MAX).to(self.dtype) if self.dtype == torch.float16 else x.to(self.dtype)
+        out.tensor(y)
+        return y.float()
+
+    def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+        return src.tensor(count, self.dtype).to(device).float()
+
+
+@register
+class Float16(_HalfFloat):
+    """IEEE half precision; values beyond +-65504 are clamped (error feedback keeps the rest)."""
+
+    name = "fp16"
+    dtype = torch.float16
+
+
+@register
+class BFloat16(_HalfFloat):
+    """bfloat16: fp32's range with 8 bits of mantissa."""
+
+    name = "bf16"
+    dtype = torch.bfloat16
+
+
+@register
+class Sign(Quantizer):
+    """1-bit sign with one scale per block: the block's mean |x| (EF-signSGD's ||x||_1 / d).
+
+    Per block, ||x - scale * sign(x)||^2 = ||x||^2 - ||x||_1^2 / d <= ||x||^2.
+    """
+
+    name = "sign"
+
+    @dataclass(frozen=True)
+    class Config:
+        block: int = 0  # elements per scale; 0 = one scale per segment (a tensor, or the kept values)
+
+    def validate(self) -> None:
+        if self.config.block < 0:
+            self.fail("block", "0 (one scale per segment) or a positive block size")
+
+    def nbytes(self, count: int) -> int:
+        return 4 * blocks(count, self.config.block) + packed_bytes(count, 1)
+
+    def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        m, block = x.numel(), self.config.block
+        if m == 0:
+            return x
+        rows = _blocked(x, block)
+        scale = rows.abs().sum(dim=1) / _block_counts(m, block, x.device)
+        negative = x < 0
+        out.tensor(scale)
+        out.tensor(pack_bits(negative, 1))
+        return self._expand(scale, negative, m)
+
+    def _expand(self, scale: torch.Tensor, negative: torch.Tensor, m: int) -> torch.Tensor:
+        per = scale.repeat_interleave(self.config.block or m)[:m]
+        return torch.where(negative, -per, per)
+
+    def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+        if count == 0:
+            return torch.empty(0, device=device)
+        scale = src.tensor(blocks(count, self.config.block), torch.float32).to(device)
+        negative = unpack_bits(src.take(packed_bytes(count, 1)).to(device), count, 1).bool()
+        return self._expand(scale, negative, count)
+
+
+class FixedSign(Quantizer):
+    """Sign bits decoding to +-tau: the value coding of Strom's threshold sparsifier (not a spec name)."""
+
+    name = "fixed-sign"
+
+    @dataclass(frozen=True)
+    class Config:
+        tau: float = 1e-3
+
+    def nbytes(self, count: int) -> int:
+        return packed_bytes(count, 1)
+
+    def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        negative = x < 0
+        out.tensor(pack_bits(negative, 1))
+        return self._expand(negative)
+
+    def _expand(self, negative: torch.Tensor) -> torch.Tensor:
+        tau = self.config.tau
+        return torch.where(negative, -tau, tau).float()
+
+    def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+        negative = unpack_bits(src.take(packed_bytes(count, 1)).to(device), count, 1).bool()
+        return self._expand(negative)
+
+
+@register
+class TwoBit(Quantizer):
+    """MXNet's 2-bit codec: x >= t -> +t (11), x <= -t -> -t (10), else 0 (00).
+
+    Elementwise |error| <= |x|: the remainder stays in the residual (error feedback).
+    """
+
+    name = "twobit"
+
+    @dataclass(frozen=True)
+    class Config:
+        threshold: float = 0.5  # t: the magnitude every sent value carries
+
+    def validate(self) -> None:
+        if not self.config.threshold > 0:
+            self.fail("threshold", "a positive float")
+
+    def nbytes(self, count: int) -> int:
+        return packed_bytes(count, 2)
+
+    def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        t = self.config.threshold
+        codes = torch.where(x >= t, 3, torch.where(x <= -t, 2, 0)).to(torch.uint8)
+        out.tensor(pack_bits(codes, 2))
+        return self._values(codes)
+
+    def _values(self, codes: torch.Tensor) -> torch.Tensor:
+        t = self.config.threshold
+        return torch.where(codes == 3, t, torch.where(codes == 2, -t, 0.0)).float()
+
+    def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+        codes = unpack_bits(src.take(packed_bytes(count, 2)).to(device), count, 2)
+        if bool((codes == 1).any()):
+            raise DecodeError("twobit payload holds the unused code 01")
+        return self._values(codes)
+
+
+@register
+class KBit(Quantizer):
+    """Linear k-bit quantization per block: q = round((x - min) / scale), scale = (max - min) / (2^b - 1).
+
+    |error| <= scale / 2 with nearest rounding; < scale and unbiased with stochastic rounding.
+    """
+
+    name = "kbit"
+
+    @dataclass(frozen=True)
+    class Config:
+        bits: int = 4  # 1..8 bits per value
+        block: int = 256  # elements per (min, scale) pair; 0 = one pair per segment
+        stochastic: bool = False  # stochastic rounding: unbiased, twice the worst-case error
+
+    def validate(self) -> None:
+        if not 1 <= self.config.bits <= 8:
+            self.fail("bits", "an integer from 1 to 8")
+        if self.config.block < 0:
+            self.fail("block", "0 (one block per segment) or a positive block size")
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return self.config.stochastic
+
+    def nbytes(self, count: int) -> int:
+        return 8 * blocks(count, self.config.block) + packed_bytes(count, self.config.bits)
+
+    def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        m, block, levels = x.numel(), self.config.block, (1 << self.config.bits) - 1
+        if m == 0:
+            return x
+        rows = _blocked(x, block)
+        pad = rows.numel() - m
+        # padding must not widen the last block's range: fill it with that block's first value
+        if pad:
+            rows = rows.clone()
+            rows[-1, rows.shape[1] - pad:] = rows[-1, 0]
+        lo, hi = rows.min(dim=1).values, rows.max(dim=1).values
+        scale = (hi - lo) / levels
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        t = (rows - lo[:, None]) / safe[:, None]
+        t = torch.floor(t + _uniform(t.shape, gen, x.device)) if self.config.stochastic else torch.round(t)
+        q = t.clamp_(0, levels).reshape(-1)[:m]
+        out.tensor(torch.stack([lo, scale], dim=1))
+        out.tensor(pack_bits(q.to(torch.int64), self.config.bits))
+        return self._values(q, lo, scale, m)
+
+    def _values(self, q: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, m: int) -> torch.Tensor:
+        per = self.config.block or m
+        return q * scale.repeat_interleave(per)[:m] + lo.repeat_interleave(per)[:m]
+
+    def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+        if count == 0:
+            return torch.empty(0, device=device)
+        params = src.tensor(2 * blocks(count, self.config.block), torch.float32).to(device).view(-1, 2)
+        q = unpack_bits(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
+        return self._values(q.float(), params[:, 0], params[:, 1], count)
+
+
+@register
+class QSGD(Quantizer):
+    """QSGD (Alistarh et al. 2017): per bucket, ||v|| * sign(v_j) * xi_j with xi_j stochastic over s levels.
+
+    ``bits`` counts the sign: s = 2^(bits-1) - 1 levels above zero. Unbiased; elementwise
+    |error| <= ||v_bucket|| / s, and E||Q(v) - v||^2 <= min(d / s^2, sqrt(d) / s) ||v||^2.
+    """
+
+    name = "qsgd"
+    unbiased = True
+
+    @dataclass(frozen=True)
+    class Config:
+        bits: int = 4  # bits per value including the sign bit (2..8)
+        bucket: int = 512  # elements per norm; 0 = one norm per segment
+
+    def validate(self) -> None:
+        if not 2 <= self.config.bits <= 8:
+            self.fail("bits", "an integer from 2 to 8 (sign bit included)")
+        if self.config.bucket < 0:
+            self.fail("bucket", "0 (one bucket per segment) or a positive bucket size")
+
+    @property
+    def levels(self) -> int:
+        return (1 << (self.config.bits - 1)) - 1
+
+    def nbytes(self, count: int) -> int:
+        return 4 * blocks(count, self.config.bucket) + packed_bytes(count, self.config.bits)
+
+    def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        m, s = x.numel(), self.levels
+        if m == 0:
+            return x
+        rows = _blocked(x, self.config.bucket)
+        norm = torch.linalg.vector_norm(rows, dim=1)
+        safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+        ratio = (rows.abs() * s / safe[:, None]).reshape(-1)[:m]
+        level = torch.floor(ratio + _uniform(ratio.shape, gen, x.device)).clamp_(0, s).to(torch.int64)
+        negative = (x < 0).to(torch.int64)
+        out.tensor(norm)
+        out.tensor(pack_bits((negative << (self.config.bits - 1)) | level, self.config.bits))
+        return self._values(norm, level, negative, m)
+
+    def _values(self, norm: torch.Tensor, level: torch.Tensor, negative: torch.Tensor, m: int) -> torch.Tensor:
+        per = norm.repeat_interleave(self.config.bucket or m)[:m]
+        return per * level.float() * (1 - 2 * negative).float() / self.levels
+
+    def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+        if count == 0:
+            return torch.empty(0, device=device)
+        norm = src.tensor(blocks(count, self.config.bucket), torch.float32).to(device)
+        codes = unpack_bits(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
+        top = self.config.bits - 1
+        return self._values(norm, codes & ((1 << top) - 1), codes >> top, count)
+
+
+@register
+class TernGrad(Quantizer):
+    """TernGrad (Wen et al. 2017): s * sign(g) * b, b ~ Bernoulli(|g| / s), s = max|g| per segment.
+
+    With ``clip`` > 0, g is first clipped to +-clip * std(g) (biased; error feedback keeps the
+    clipped part). Unbiased with clip = 0. Elementwise |error| <= s.
+    """
+
+    name = "terngrad"
+
+    @dataclass(frozen=True)
+    class Config:
+        clip: float = 2.5  # clip at clip * std before scaling; 0 disables clipping
+
+    def validate(self) -> None:
+        if self.config.clip < 0:
+            self.fail("clip", "0 (no clipping) or a positive multiple of the standard deviation")
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return self.config.clip == 0
+
+    def nbytes(self, count: int) -> int:
+        return (4 if count else 0) + packed_bytes(count, 2)
+
+    def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        if x.numel() == 0:
+            return x
+        if self.config.clip > 0 and x.numel() > 1:
+            bound = self.config.clip * x.std()
+            x = torch.maximum(torch.minimum(x, bound), -bound)
+        s = x.abs().max()
+        keep = _uniform(x.shape, gen, x.device) * s < x.abs()
+        codes = torch.where(keep, torch.where(x < 0, 2, 1), 0).to(torch.uint8)
+        out.tensor(s.reshape(1))
+        out.tensor(pack_bits(codes, 2))
+        return self._values(s, codes)
+
+    def _values(self, s: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        return torch.where(codes == 1, s, torch.where(codes == 2, -s, torch.zeros_like(s))).float()
+
+    def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+        if count == 0:
+            return torch.empty(0, device=device)
+        s = src.tensor(1, torch.float32).to(device)[0]
+        codes = unpack_bits(src.take(packed_bytes(count, 2)).to(device), count, 2)
+        if bool((codes == 3).any()):
+            raise DecodeError("terngrad payload holds the unused code 11")
+        return self._values(s, codes)
