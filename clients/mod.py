@@ -1,0 +1,78 @@
+"""``compression_mod``: a Flower client mod that decodes compressed broadcasts and compresses replies.
+
+It works with any ClientApp whose train reply carries one ArrayRecord (the trained model):
+
+1. The broadcast's payload is decoded into the dense model and handed to the app as the
+   ArrayRecord it expects (under the strategy's original record name).
+2. The app trains and replies with its model.
+3. The mod computes the update ``delta = trained - received``, adds the residual kept in
+   ``Context.state`` (error feedback), encodes it with the codec the server asked for, keeps
+   the new residual, and replaces the reply's ArrayRecord with the payload.
+
+Messages without a fedcomp record (evaluation, or a strategy that is not wrapped) pass through.
+"""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp.typing import ClientAppCallable
+
+import fedcomp
+from fedcomp import protocol as P
+
+
+def _torch_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    return dict(record.to_torch_state_dict())
+
+
+def _device(context: Context) -> torch.device:
+    wanted = str(context.node_config.get("device", "cpu"))
+    if wanted.startswith("cuda") and not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device(wanted)
+
+
+def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower mod: decode the compressed broadcast, compress the reply (see module docstring)."""
+    if not msg.has_content() or P.DOWNLOAD_RECORD not in msg.content.config_records:
+        return call_next(msg, context)
+    cfg = msg.content.config_records[P.DOWNLOAD_RECORD]
+    try:
+        layout = fedcomp.Layout.from_json(str(cfg[P.LAYOUT]))
+        received = fedcomp.build_codec(str(cfg[P.DOWNLOAD_SPEC])).decode(bytes(cfg[P.PAYLOAD]), layout)
+        upload = fedcomp.build_codec(str(cfg[P.UPLOAD_SPEC]))
+    except fedcomp.FedcompError as exc:
+        raise RuntimeError(f"fedcomp could not read the broadcast: {exc}") from exc
+
+    arrays_key = str(cfg[P.ARRAYS_KEY])
+    inner = RecordDict({k: v for k, v in msg.content.items() if k != P.DOWNLOAD_RECORD})
+    inner[arrays_key] = ArrayRecord(received)
+    msg.content = inner
+    reply = call_next(msg, context)
+    if reply.has_error():
+        return reply
+
+    array_keys = list(reply.content.array_records)
+    if len(array_keys) != 1:
+        raise RuntimeError(
+            f"compression_mod needs a train reply with exactly one ArrayRecord, got {len(array_keys)}: {array_keys}"
+        )
+    trained = _torch_dict(reply.content.array_records[array_keys[0]])
+    layout.check(trained)
+    device = _device(context)
+    delta = {name: trained[name].to(device) - received[name].to(device) for name in layout.names}
+
+    use_ef = bool(cfg[P.ERROR_FEEDBACK])
+    residual = _torch_dict(context.state.array_records[P.RESIDUAL_STATE]) if (
+        use_ef and P.RESIDUAL_STATE in context.state.array_records
+    ) else None
+    nonce = fedcomp.derive_nonce(int(cfg[P.SEED]), int(cfg[P.ROUND]), context.node_id)
+    encoded, new_residual = fedcomp.compress(upload, delta, residual, nonce=nonce, error_feedback=use_ef)
+    if new_residual:
+        context.state[P.RESIDUAL_STATE] = ArrayRecord({k: v.cpu() for k, v in new_residual.items()})
+
+    content = RecordDict({k: v for k, v in reply.content.items() if k != array_keys[0]})
+    content[P.UPLOAD_RECORD] = ConfigRecord({P.PAYLOAD: encoded.payload, P.ARRAYS_KEY: array_keys[0]})
+    reply.content = content
+    return reply

@@ -1,0 +1,28 @@
+"""Record and config keys shared by the client mod and the strategy wrapper (one place, both sides).
+
+No Flower import here: these are plain strings naming records inside a Flower ``RecordDict``.
+
+Server -> client (train message)::
+
+    DOWNLOAD_RECORD: ConfigRecord {PAYLOAD, LAYOUT, UPLOAD_SPEC, DOWNLOAD_SPEC,
+                                   ERROR_FEEDBACK, SEED, ROUND, ARRAYS_KEY}
+    <the strategy's ConfigRecord, unchanged>
+
+Client -> server (train reply)::
+
+    UPLOAD_RECORD: ConfigRecord {PAYLOAD, ARRAYS_KEY}
+    <the ClientApp's MetricRecord (and any other non-array record), unchanged>
+"""
+
+DOWNLOAD_RECORD = "fedcomp.download"
+UPLOAD_RECORD = "fedcomp.upload"
+RESIDUAL_STATE = "fedcomp.residual"  # Context.state key of the client's error-feedback residual
+
+PAYLOAD = "payload"  # bytes: a fedcomp wire-format payload
+LAYOUT = "layout"  # str: Layout.to_json() of the model
+UPLOAD_SPEC = "upload"  # str: codec spec the client must use for its reply
+DOWNLOAD_SPEC = "download"  # str: codec spec of PAYLOAD in the broadcast
+ERROR_FEEDBACK = "error-feedback"  # bool: keep a residual across rounds
+SEED = "seed"  # int: run seed, part of every nonce
+ROUND = "round"  # int: server round, part of every nonce
+ARRAYS_KEY = "arrays-key"  # str: name of the ArrayRecord the payload stands for

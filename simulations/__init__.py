@@ -1,0 +1,1 @@
+"""Federated simulations on fedcomp: the default task, runners and results."""

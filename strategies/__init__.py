@@ -1,0 +1,5 @@
+"""Flower server side of fedcomp: the strategy wrapper and the project's ServerApp."""
+
+from strategies.wrapper import CompressedStrategy, RoundStats, message_bytes
+
+__all__ = ["CompressedStrategy", "RoundStats", "message_bytes"]
