@@ -66,7 +66,10 @@ class Stage:
 
 def _coerce(codec: str, key: str, value: Any, kind: type) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise SpecError(f"{codec}({key}={value!r}): {key} is out of range for a float") from None
     if kind is int and isinstance(value, float) and value.is_integer():
         return int(value)
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
@@ -123,8 +126,11 @@ class Selector(Stage):
         return 1.0
 
 
+def block_size(count: int, block: int) -> int:
+    """Elements per block for ``count`` elements: ``block``, or ``count`` when block is 0 or larger."""
+    return count if block == 0 or block >= count else block
+
+
 def blocks(count: int, block: int) -> int:
     """Number of blocks of ``block`` elements (0: one block) covering ``count`` elements."""
-    if count == 0:
-        return 0
-    return 1 if block == 0 else math.ceil(count / block)
+    return math.ceil(count / block_size(count, block)) if count else 0

@@ -82,6 +82,7 @@ class Codec:
 
     @property
     def lossless(self) -> bool:
+        """Exact for fp32, fp16 and bf16 tensors (values travel as fp32 at most: float64 is rounded)."""
         return self.selector is None and self.quantizer.name == "none"
 
     @property

@@ -29,7 +29,9 @@ def compress(
     codec is lossless). Residuals of tensors absent from ``update`` are dropped; a residual
     whose shape no longer matches its tensor is ignored rather than added.
     """
-    use_ef = error_feedback and not codec.lossless
+    # values travel as fp32 at most: none() is exact for fp32/fp16/bf16, not for float64
+    exact = codec.lossless and all(t.dtype != torch.float64 for t in update.values())
+    use_ef = error_feedback and not exact
     target = dict(update)
     if use_ef and residual:
         for name, r in residual.items():
@@ -39,9 +41,9 @@ def compress(
     encoded = codec.encode(target, nonce=nonce)
     if not use_ef:
         return encoded, {}
-    new_residual = {
-        name: (t.float() - encoded.decoded[name].float())
-        for name, t in target.items()
-        if t.is_floating_point()
-    }
+    new_residual = {}
+    for name, t in target.items():
+        if t.is_floating_point():
+            dtype = torch.promote_types(t.dtype, torch.float32)  # fp32, or float64 for float64 tensors
+            new_residual[name] = t.to(dtype) - encoded.decoded[name].to(dtype)
     return encoded, new_residual

@@ -31,7 +31,8 @@ INDEX_CODINGS = ("rice", "fixed")
 
 
 def _kept(ratio: float, n: int) -> int:
-    return min(n, max(1, math.ceil(ratio * n))) if n else 0
+    """ceil(ratio * n), at least 1; the product is rounded first so 0.07 * 100 keeps 7, not 8."""
+    return min(n, max(1, math.ceil(round(ratio * n, 6)))) if n else 0
 
 
 class _CodedIndices(Selector):

@@ -1,0 +1,278 @@
+"""Flower integration: the client mod and the strategy wrapper, in process and through `flwr run`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg, FedMedian
+from flwr.supercore.task_identity import TaskIdentity
+
+import fedcomp
+from clients.mod import compression_mod
+from fedcomp import protocol as P
+from strategies.wrapper import CompressedStrategy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Messages need a run/task identity, which a Flower process sets; restore it afterwards."""
+    saved = (TaskIdentity._run_id, TaskIdentity._task_id, TaskIdentity._node_id)
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._task_id, TaskIdentity._node_id = saved
+
+
+class FakeGrid:
+    def __init__(self, node_ids):
+        self.node_ids = node_ids
+
+    def get_node_ids(self):
+        return self.node_ids
+
+
+def _model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(64, generator=g), "steps": torch.tensor(5)}
+
+
+def _client_app(shift: dict[str, torch.Tensor], examples: int):
+    """A ClientApp stand-in that 'trains' by adding a fixed shift to the model it received."""
+
+    def app(msg: Message, context: Context) -> Message:
+        received = msg.content.array_records["arrays"].to_torch_state_dict()
+        trained = {k: v + shift[k] for k, v in received.items()}
+        content = RecordDict({"arrays": ArrayRecord(trained), "metrics": MetricRecord({"num-examples": examples})})
+        return Message(content, reply_to=msg)
+
+    return app
+
+
+def _context(node_id):
+    return Context(run_id=1, node_id=node_id, node_config={}, state=RecordDict(), run_config={})
+
+
+def _round(strategy, model, shifts, contexts, server_round=1, tamper=None):
+    messages = list(strategy.configure_train(server_round, ArrayRecord(model), ConfigRecord({}), FakeGrid(list(contexts))))
+    replies = []
+    for msg in messages:
+        node = msg.metadata.dst_node_id
+        reply = compression_mod(msg, contexts[node], _client_app(shifts[node], examples=10 * node))
+        if tamper and node in tamper:
+            tamper[node](reply)
+        replies.append(reply)
+    return strategy.aggregate_train(server_round, replies)
+
+
+def _shift(seed, scale=0.01):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": scale * torch.randn(64, 32, generator=g), "b": scale * torch.randn(64, generator=g), "steps": torch.tensor(1)}
+
+
+def test_lossless_round_equals_fedavg_of_trained_models():
+    model = _model()
+    shifts = {1: _shift(1), 2: _shift(2)}
+    contexts = {1: _context(1), 2: _context(2)}
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=2), upload="none()", download="none()")
+    arrays, _ = _round(strategy, model, shifts, contexts)
+    out = arrays.to_torch_state_dict()
+    for name in ("w", "b"):
+        expected = model[name] + (10 * shifts[1][name] + 20 * shifts[2][name]) / 30
+        torch.testing.assert_close(out[name], expected, rtol=0, atol=1e-6)
+    assert not any(P.RESIDUAL_STATE in c.state for c in contexts.values()), "lossless codec keeps no residual"
+
+
+def test_reply_carries_payload_and_client_keeps_residual():
+    model = _model()
+    contexts = {3: _context(3)}
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=1, min_train_nodes=1), upload="topk(ratio=0.05)", download="none()")
+    shift = _shift(3)
+    arrays, _ = _round(strategy, model, {3: shift}, contexts)
+    stats = strategy.rounds[1]
+    assert stats.upload_bytes * 5 < stats.upload_bytes_dense, stats
+    residual = contexts[3].state.array_records[P.RESIDUAL_STATE].to_torch_state_dict()
+    got = arrays.to_torch_state_dict()
+    for name in ("w", "b"):  # what was applied plus what stayed behind is exactly the update
+        torch.testing.assert_close(got[name] - model[name] + residual[name], shift[name], rtol=0, atol=1e-6)
+    assert int(got["steps"]) == int(model["steps"]) + 1  # integer tensors travel exactly
+    # the second round adds the residual: over two rounds more of the update arrives
+    arrays2, _ = _round(strategy, got, {3: shift}, contexts, server_round=2)
+    residual2 = contexts[3].state.array_records[P.RESIDUAL_STATE].to_torch_state_dict()
+    got2 = arrays2.to_torch_state_dict()
+    torch.testing.assert_close(got2["w"] - model["w"] + residual2["w"], 2 * shift["w"], rtol=0, atol=1e-6)
+
+
+def test_corrupted_reply_is_dropped_and_round_goes_on():
+    model = _model()
+    shifts = {1: _shift(1), 2: _shift(2)}
+    contexts = {1: _context(1), 2: _context(2)}
+
+    def flip_a_bit(reply):
+        record = reply.content.config_records[P.UPLOAD_RECORD]
+        data = bytearray(record[P.PAYLOAD])
+        data[len(data) // 2] ^= 0x10
+        record[P.PAYLOAD] = bytes(data)
+
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=2), upload="none()", download="none()")
+    arrays, _ = _round(strategy, model, shifts, contexts, tamper={2: flip_a_bit})
+    out = arrays.to_torch_state_dict()
+    torch.testing.assert_close(out["w"], model["w"] + shifts[1]["w"], rtol=0, atol=1e-6)
+    statuses = {c["node"]: c["status"] for c in strategy.rounds[1].clients}
+    assert statuses[1] == "ok" and statuses[2].startswith("dropped") and "checksum" in statuses[2]
+
+
+def test_reply_without_compression_mod_is_dropped():
+    model = _model()
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=1, min_train_nodes=1), upload="none()")
+    (msg,) = strategy.configure_train(1, ArrayRecord(model), ConfigRecord({}), FakeGrid([7]))
+    plain = Message(RecordDict({"arrays": ArrayRecord(model), "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+    arrays, _ = strategy.aggregate_train(1, [plain])
+    assert arrays is None
+    assert "compression_mod" in strategy.rounds[1].clients[0]["status"]
+
+
+def test_wraps_other_strategies():
+    model = _model()
+    shifts = {i: _shift(i) for i in (1, 2, 3)}
+    contexts = {i: _context(i) for i in (1, 2, 3)}
+    strategy = CompressedStrategy(FedMedian(min_available_nodes=3), upload="none()")
+    arrays, _ = _round(strategy, model, shifts, contexts)
+    expected = model["w"] + torch.stack([shifts[i]["w"] for i in (1, 2, 3)]).median(dim=0).values
+    torch.testing.assert_close(arrays.to_torch_state_dict()["w"], expected, rtol=0, atol=1e-6)
+
+
+def test_bad_spec_fails_at_construction():
+    with pytest.raises(fedcomp.SpecError, match="topk"):
+        CompressedStrategy(FedAvg(), upload="topk(ratio=2)")
+    with pytest.raises(fedcomp.SpecError, match="available"):
+        CompressedStrategy(FedAvg(), download="zip()")
+
+
+def test_mod_passes_through_unrelated_messages():
+    seen = []
+
+    def app(msg, context):
+        seen.append(msg)
+        return Message(RecordDict({"metrics": MetricRecord({"x": 1.0})}), reply_to=msg)
+
+    msg = Message(RecordDict({"config": ConfigRecord({"a": 1})}), dst_node_id=5, message_type="evaluate")
+    reply = compression_mod(msg, _context(5), app)
+    assert seen == [msg] and list(reply.content) == ["metrics"]
+
+
+def test_compressed_upload_smaller_than_dense_by_promised_factor():
+    model = {"w": torch.randn(512, 384), "b": torch.randn(512)}
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=1, min_train_nodes=1), upload="topk(ratio=0.01)+qsgd(bits=4)")
+    shift = {"w": 0.01 * torch.randn(512, 384), "b": 0.01 * torch.randn(512)}
+    _round(strategy, model, {1: shift}, {1: _context(1)})
+    stats = strategy.rounds[1]
+    assert stats.upload_bytes_dense / stats.upload_bytes >= 100, stats
+
+
+def test_app_config_defaults():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    from strategies.app import CONFIG_KEYS
+
+    assert set(CONFIG_KEYS) == set(config)
+    fedcomp.build_codec(config["upload"])
+    fedcomp.build_codec(config["download"])
+    assert config["error-feedback"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: `flwr run .` against a SuperLink this test starts (own ports, own FLWR_HOME) and
+# stops by PID.
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def superlink(tmp_path_factory):
+    home = tmp_path_factory.mktemp("flwr-home")
+    port = _free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "fedcomp-test"\n\n[superlink.fedcomp-test]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
+    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
+    log = open(home / "superlink.log", "wb")
+    proc = subprocess.Popen(
+        ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+         "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"flower-superlink exited: {(home / 'superlink.log').read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).is_success:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        subprocess.run(["flwr", "federation", "simulation-config", "--num-supernodes", "4"],
+                       env=env, check=True, capture_output=True, timeout=60)
+        yield env
+    finally:
+        # the SuperLink leads its own session: its process group holds it and the simulation it spawned
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+        log.close()
+
+
+def _flwr_run(env, out_dir: Path, overrides: str) -> dict:
+    cmd = ["flwr", "run", str(ROOT), "--stream", "--run-config", f"{overrides} out-dir='{out_dir}'"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    results = out_dir / "results.json"
+    assert done.returncode == 0 and results.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(results.read_text())
+
+
+@pytest.mark.slow
+def test_flwr_run_end_to_end(superlink, tmp_path):
+    rounds = 4
+    compressed = _flwr_run(superlink, tmp_path / "topk", f"num-server-rounds={rounds} upload='topk(ratio=0.01)+qsgd(bits=4)'")
+    dense = _flwr_run(superlink, tmp_path / "dense", f"num-server-rounds={rounds} upload='none()'")
+
+    for run in (compressed, dense):
+        assert [r["round"] for r in run["rounds"]] == list(range(1, rounds + 1))
+        for r in run["rounds"]:
+            assert {"round", "accuracy", "loss", "upload_bytes", "download_bytes", "upload_bytes_dense",
+                    "download_bytes_dense", "clients"} <= set(r)
+            assert len(r["clients"]) == 4 and all(c["status"] == "ok" for c in r["clients"])
+        accuracy = [r["accuracy"] for r in run["rounds"]]
+        assert accuracy[-1] > max(0.3, accuracy[0]), accuracy  # it learns (chance is 0.1)
+
+    assert compressed["config"]["upload"] == "topk(ratio=0.01)+qsgd(bits=4)"
+    up = sum(r["upload_bytes"] for r in compressed["rounds"])
+    up_dense = sum(r["upload_bytes_dense"] for r in compressed["rounds"])
+    assert up_dense / up >= 100, (up, up_dense)
+    # with none() the payload stands in for the ArrayRecord at near-equal cost, and the
+    # dense estimate matches what the uncompressed run actually sent
+    dense_up = sum(r["upload_bytes"] for r in dense["rounds"])
+    assert 0.95 < dense_up / up_dense < 1.05
+    assert (tmp_path / "topk" / "accuracy_vs_upload.png").read_bytes()[:4] == b"\x89PNG"
