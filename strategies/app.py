@@ -26,12 +26,38 @@ CONFIG_KEYS = (
 )
 
 
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    cfg = dict(context.run_config)
+def _check(cfg: dict, key: str, kind: type, allowed: str, ok) -> None:
+    value = cfg[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = cfg[key] = float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)) or not ok(value):
+        raise ValueError(f"run config {key}={value!r} is invalid: {key} must be {allowed}")
+
+
+def validate_run_config(run_config) -> dict:
+    """The run config as a dict, every key checked; raises ValueError naming the key, value and what is allowed."""
+    cfg = dict(run_config)
     missing = [k for k in CONFIG_KEYS if k not in cfg]
     if missing:
         raise ValueError(f"run config lacks {missing}; defaults live in pyproject.toml [tool.flwr.app.config]")
+    _check(cfg, "num-server-rounds", int, "a positive integer", lambda v: v >= 1)
+    _check(cfg, "fraction-train", float, "a fraction in (0, 1]", lambda v: 0 < v <= 1)
+    _check(cfg, "model", str, f"one of {task.MODELS}", lambda v: v in task.MODELS)
+    _check(cfg, "local-epochs", int, "a positive integer", lambda v: v >= 1)
+    _check(cfg, "lr", float, "a positive float", lambda v: v > 0)
+    _check(cfg, "batch-size", int, "a positive integer", lambda v: v >= 1)
+    _check(cfg, "seed", int, "a non-negative integer", lambda v: v >= 0)
+    _check(cfg, "partition-alpha", float, "a positive float", lambda v: v > 0)
+    _check(cfg, "error-feedback", bool, "true or false", lambda v: True)
+    _check(cfg, "upload", str, "a codec spec such as 'topk(ratio=0.01)+qsgd(bits=4)'", lambda v: True)
+    _check(cfg, "download", str, "a codec spec such as 'none()'", lambda v: True)
+    _check(cfg, "out-dir", str, "a directory path", lambda v: bool(v.strip()))
+    return cfg
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = validate_run_config(context.run_config)
     seed = int(cfg["seed"])
     model = task.build_model(str(cfg["model"]), seed=seed)
     _, test_set = task.load_digits_split(seed=seed)

@@ -164,6 +164,9 @@ class CompressedStrategy(Strategy):
         if not isinstance(payload, bytes):
             raise fedcomp.DecodeError(f"payload must be bytes, got {type(payload).__name__}")
         delta = self.upload.decode(payload, self._layout)
+        for name, t in delta.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise fedcomp.FedcompError(f"update of {name!r} has NaN or Inf values")
         model = {name: (self._base[name].float() + delta[name].float()).to(self._base[name].dtype)
                  if self._base[name].is_floating_point() else self._base[name] + delta[name]
                  for name in self._layout.names}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -134,6 +135,20 @@ def test_corrupted_reply_is_dropped_and_round_goes_on():
     assert statuses[1] == "ok" and statuses[2].startswith("dropped") and "checksum" in statuses[2]
 
 
+def test_non_finite_update_is_dropped():
+    model = _model()
+    shifts = {1: _shift(1), 2: _shift(2)}
+    shifts[2]["w"][0, 0] = float("nan")
+    contexts = {1: _context(1), 2: _context(2)}
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=2), upload="none()")
+    arrays, _ = _round(strategy, model, shifts, contexts)
+    out = arrays.to_torch_state_dict()
+    assert bool(torch.isfinite(out["w"]).all())
+    torch.testing.assert_close(out["w"], model["w"] + shifts[1]["w"], rtol=0, atol=1e-6)
+    statuses = {c["node"]: c["status"] for c in strategy.rounds[1].clients}
+    assert "NaN" in statuses[2] and statuses[1] == "ok"
+
+
 def test_reply_without_compression_mod_is_dropped():
     model = _model()
     strategy = CompressedStrategy(FedAvg(min_available_nodes=1, min_train_nodes=1), upload="none()")
@@ -180,6 +195,22 @@ def test_compressed_upload_smaller_than_dense_by_promised_factor():
     _round(strategy, model, {1: shift}, {1: _context(1)})
     stats = strategy.rounds[1]
     assert stats.upload_bytes_dense / stats.upload_bytes >= 100, stats
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("fraction-train", 0.0, "fraction-train=0.0 is invalid"),
+    ("model", "resnet", "one of ('mlp', 'mlp-large')"),
+    ("lr", -1.0, "lr=-1.0 is invalid"),
+    ("error-feedback", "yes", "true or false"),
+    ("num-server-rounds", 0, "positive integer"),
+])
+def test_run_config_validation_names_key_value_and_allowed(key, value, message):
+    from strategies.app import validate_run_config
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    validate_run_config(config)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_run_config({**config, key: value})
 
 
 def test_app_config_defaults():
