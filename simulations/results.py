@@ -182,3 +182,25 @@ def plot_accuracy_vs_upload(
         ``path``.
     """
     return plot_runs({label if label is not None else "run": rounds}, path)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m simulations.results OUT.png RUN_DIR_OR_JSON...``: one plot comparing runs."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("out", help="PNG file to write")
+    parser.add_argument("runs", nargs="+", help="results.json files or the directories holding them")
+    args = parser.parse_args(argv)
+    runs = {}
+    for item in args.runs:
+        path = pathlib.Path(item)
+        path = path / "results.json" if path.is_dir() else path
+        data = json.loads(path.read_text())
+        runs[str(data["config"].get("upload", path.parent.name))] = data["rounds"]
+    print(plot_runs(runs, args.out))
+
+
+if __name__ == "__main__":
+    main()

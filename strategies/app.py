@@ -102,7 +102,7 @@ def main(grid: Grid, context: Context) -> None:
         evaluate_fn=evaluate,
     )
     if rounds:
-        results.plot_accuracy_vs_upload(rounds, out_dir / "accuracy_vs_upload.png")
+        results.plot_accuracy_vs_upload(rounds, out_dir / "accuracy_vs_upload.png", label=str(cfg["upload"]))
         total_up = sum(r["upload_bytes"] for r in rounds)
         total_dense = sum(r["upload_bytes_dense"] for r in rounds)
         log(INFO, "fedcomp: final accuracy %.4f, uploads %d B (%.1fx less than dense); wrote %s",

@@ -1,0 +1,685 @@
+"""Run fedcomp on Flower's deployment engine on this machine's loopback, and measure the wire.
+
+One SuperLink, N SuperNodes (``flower-supernode --grpc-rere``, each with
+``--node-config "partition-id=i num-partitions=N"``) and ``flwr run .`` against them, with a
+byte-counting TCP relay (:mod:`simulations.relay`) between the SuperNodes and the SuperLink's
+Fleet API. Optional TLS (certificates from :mod:`simulations.certs`) and SuperNode
+authentication (keys registered with ``flwr supernode register``).
+
+    python -m simulations.deploy --supernodes 2 --rounds 3 \\
+        --run-config "model='mlp-large' upload='topk(ratio=0.01)+qsgd(bits=4)'" \\
+        --run-config "model='mlp-large' upload='none()'"
+    python -m simulations.deploy --supernodes 2 --rounds 2 --tls --auth --intruder
+
+Every ``--run-config`` is one ``flwr run`` on the same deployment. For each run it prints a
+per-round table joining ``results.json`` (``upload_bytes``: the serialized message content,
+summed over clients) with the relay's client->server bytes of the same round (snapshot when
+``results.json`` is rewritten after the round), and before the runs, Flower's idle traffic
+(bytes per SuperNode per second with the nodes connected and no run).
+
+Everything listens on 127.0.0.1 only, on free ports. Every process is started here in its own
+session and stopped by PID (its process group, then any descendant that left the group), in
+``finally``. Importable: the tests use :func:`deployment`, :func:`run_app` and friends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from simulations.certs import NodeKey, TlsFiles, make_ca_and_server_cert, make_node_keys
+from simulations.relay import Counts, Relay
+
+__all__ = [
+    "Deployment",
+    "Proc",
+    "RoundWire",
+    "RunResult",
+    "deployment",
+    "format_table",
+    "free_port",
+    "measure_idle",
+    "register_node",
+    "run_app",
+    "start_supernode",
+    "stop_process",
+    "main",
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+CONNECTION = "fedcomp-deploy"
+RESERVED_PORTS = range(39091, 39094)  # someone else's SuperLink on this machine
+_ACTIVATED = re.compile(r"Activated node_id=(\d+)")
+_NODE_ID = re.compile(r"SuperNode ID: (\d+)")
+
+
+# --------------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (never 39091-39093)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RESERVED_PORTS:
+            return port
+
+
+def flower_env(flwr_home: Path) -> dict[str, str]:
+    """Environment for every Flower process: own FLWR_HOME, no runtime `uv sync`."""
+    env = dict(os.environ, FLWR_HOME=str(flwr_home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
+    env.pop("FLWR_INTERNAL_GRPC_CONTROL_API", None)  # no extra gRPC Control API listener
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+@dataclasses.dataclass
+class Proc:
+    """A process started here in its own session (its PID is its process group id)."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    _log_file: object = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+def _spawn(name: str, cmd: Sequence[str], env: dict[str, str], log_path: Path, cwd: Path) -> Proc:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop_process
+    try:
+        popen = subprocess.Popen(
+            list(cmd), env=env, cwd=cwd, stdout=log_file, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    except BaseException:
+        log_file.close()
+        raise
+    return Proc(name=name, popen=popen, log_path=log_path, _log_file=log_file)
+
+
+def _children() -> dict[int, list[int]]:
+    """ppid -> child pids, from /proc (Linux)."""
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # the command name is in parentheses and may hold spaces: split after the last ')'
+        fields = stat[stat.rfind(")") + 2:].split()
+        tree.setdefault(int(fields[1]), []).append(int(entry))
+    return tree
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live descendant of ``pid`` (children first, then theirs)."""
+    tree = _children()
+    out, todo = [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _signal_pids(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].split()[0] != "Z"
+
+
+def stop_process(proc: Proc, timeout: float = 15.0) -> None:
+    """Stop ``proc``: SIGTERM to its process group and to descendants that left it, then SIGKILL.
+
+    Flower's SuperLink starts its SuperExec in a new session, so the group alone is not enough;
+    the descendants are collected (by PID, from /proc) before anything is signalled.
+    """
+    try:
+        kids = descendants(proc.pid)
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        _signal_pids(kids, signal.SIGTERM)
+        try:
+            proc.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(p) for p in kids):
+            time.sleep(0.1)
+        kids = [p for p in kids if _alive(p)] + descendants(proc.pid)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _signal_pids(kids, signal.SIGKILL)
+        try:
+            proc.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        if proc._log_file is not None:
+            proc._log_file.close()
+            proc._log_file = None
+
+
+# -------------------------------------------------------------------------------- deployment
+
+
+@dataclasses.dataclass
+class Deployment:
+    """A running SuperLink (Fleet API behind a relay) and its SuperNodes."""
+
+    workdir: Path
+    cli_env: dict[str, str]  # env for the `flwr` CLI: FLWR_HOME holds config.toml
+    superlink: Proc
+    relay: Relay
+    fleet_port: int
+    http_port: int
+    tls: TlsFiles | None = None
+    auth: bool = False
+    node_keys: list[NodeKey] = dataclasses.field(default_factory=list)
+    supernodes: list[Proc] = dataclasses.field(default_factory=list)
+    extra: list[Proc] = dataclasses.field(default_factory=list)  # e.g. an unregistered node
+
+    def activated_nodes(self) -> list[int]:
+        """Node ids the SuperLink has activated so far (from its log)."""
+        return [int(m) for m in _ACTIVATED.findall(self.superlink.log())]
+
+    def flwr(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+        """Run the ``flwr`` CLI against this SuperLink."""
+        done = subprocess.run(["flwr", *args], env=self.cli_env, cwd=self.workdir, capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"flwr {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        return done
+
+
+def _write_cli_config(home: Path, http_port: int, tls: TlsFiles | None) -> None:
+    home.mkdir(parents=True, exist_ok=True)
+    lines = ["[superlink]", f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]",
+             f'address = "127.0.0.1:{http_port}"']
+    if tls is None:
+        lines.append("insecure = true")
+    else:
+        lines.append(f'root-certificates = "{tls.ca_cert}"')
+    (home / "config.toml").write_text("\n".join(lines) + "\n")
+
+
+def _wait_port(port: int, proc: Proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.log()[-3000:]}")
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{proc.name} did not listen on 127.0.0.1:{port} within {timeout}s:\n{proc.log()[-3000:]}")
+
+
+def start_superlink(workdir: Path, tls: TlsFiles | None, auth: bool) -> tuple[Proc, int, int]:
+    """Start ``flower-superlink`` with its Fleet API and HTTP API on free loopback ports."""
+    fleet_port, http_port, grpc_control_port = free_port(), free_port(), free_port()
+    cmd = ["flower-superlink"]
+    if tls is None:
+        cmd.append("--insecure")
+    else:
+        cmd += ["--ssl-ca-certfile", str(tls.ca_cert), "--ssl-certfile", str(tls.server_cert),
+                "--ssl-keyfile", str(tls.server_key)]
+    if auth:
+        cmd.append("--enable-supernode-auth")
+    cmd += [
+        "--fleet-api-address", f"127.0.0.1:{fleet_port}",  # SuperNodes (through the relay)
+        "--host", "127.0.0.1", "--port", str(http_port),  # Runtime + Control HTTP API (flwr CLI)
+        # deprecated gRPC Control API: only started with FLWR_INTERNAL_GRPC_CONTROL_API=1 (which
+        # flower_env removes), its default would be 0.0.0.0:9093, so pin it to loopback anyway
+        "--control-api-address", f"127.0.0.1:{grpc_control_port}",
+    ]
+    home = workdir / "superlink-home"
+    home.mkdir(parents=True, exist_ok=True)
+    proc = _spawn("superlink", cmd, flower_env(home), workdir / "logs" / "superlink.log", workdir)
+    try:
+        _wait_port(http_port, proc, 60)
+        _wait_port(fleet_port, proc, 30)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, fleet_port, http_port
+
+
+def start_supernode(
+    dep: Deployment,
+    index: int,
+    num_partitions: int,
+    *,
+    key: NodeKey | None = None,
+    device: str | None = None,
+    name: str | None = None,
+    max_retries: int | None = None,
+    isolation: str = "subprocess",
+) -> Proc:
+    """Start one ``flower-supernode`` connecting to the relay, with its partition as node config."""
+    name = name or f"supernode-{index}"
+    node_config = f"partition-id={index} num-partitions={num_partitions}"
+    if device:
+        node_config += f" device='{device}'"
+    cmd = ["flower-supernode", "--grpc-rere", "--superlink", dep.relay.address]
+    if dep.tls is None:
+        cmd.append("--insecure")
+    else:
+        cmd += ["--root-certificates", str(dep.tls.ca_cert)]
+    if key is not None:
+        cmd += ["--auth-supernode-private-key", str(key.private_key)]
+    if max_retries is not None:
+        cmd += ["--max-retries", str(max_retries)]
+    cmd += ["--host", "127.0.0.1", "--port", str(free_port()), "--isolation", isolation,
+            "--node-config", node_config]
+    home = dep.workdir / f"{name}-home"  # own FLWR_HOME: nodes install the app bundle separately
+    home.mkdir(parents=True, exist_ok=True)
+    return _spawn(name, cmd, flower_env(home), dep.workdir / "logs" / f"{name}.log", dep.workdir)
+
+
+def register_node(dep: Deployment, key: NodeKey) -> int:
+    """``flwr supernode register <key>.pub``: returns the node id the SuperLink assigned."""
+    done = dep.flwr("supernode", "register", str(key.public_key), CONNECTION, "--name", key.name,
+                    "--format", "json")
+    data = json.loads(done.stdout[done.stdout.index("{"):])
+    if not data.get("success"):
+        raise RuntimeError(f"registering {key.name} failed: {done.stdout}")
+    return int(data["node-id"])
+
+
+def wait_for_nodes(dep: Deployment, count: int, timeout: float = 120) -> list[int]:
+    """Wait until the SuperLink has activated ``count`` nodes; returns their ids."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ids = sorted(set(dep.activated_nodes()))
+        if len(ids) >= count:
+            return ids
+        dead = [p for p in dep.supernodes if not p.alive()]
+        if dead or not dep.superlink.alive():
+            p = dead[0] if dead else dep.superlink
+            raise RuntimeError(f"{p.name} exited ({p.popen.returncode}):\n{p.log()[-3000:]}")
+        time.sleep(0.25)
+    raise RuntimeError(f"only {len(set(dep.activated_nodes()))}/{count} SuperNodes activated in {timeout}s")
+
+
+@contextlib.contextmanager
+def deployment(
+    workdir: str | Path,
+    num_supernodes: int,
+    *,
+    tls: bool = False,
+    auth: bool = False,
+    device: str | None = None,
+    isolation: str = "subprocess",
+    wait: bool = True,
+) -> Iterator[Deployment]:
+    """SuperLink + relay + ``num_supernodes`` SuperNodes; everything is stopped on exit.
+
+    With ``auth`` (needs ``tls``), one key pair per SuperNode is made and registered with
+    ``flwr supernode register`` before the SuperNodes start.
+    """
+    if auth and not tls:
+        raise ValueError("SuperNode authentication needs TLS (Flower refuses it without)")
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    tls_files = make_ca_and_server_cert(workdir / "certs") if tls else None
+    cli_home = workdir / "cli-home"
+    _write_cli_config(cli_home, 0, tls_files)  # rewritten once the port is known
+    superlink = relay = None
+    dep: Deployment | None = None
+    try:
+        superlink, fleet_port, http_port = start_superlink(workdir, tls_files, auth)
+        _write_cli_config(cli_home, http_port, tls_files)
+        relay = Relay("127.0.0.1", fleet_port).start()
+        dep = Deployment(workdir=workdir, cli_env=flower_env(cli_home), superlink=superlink, relay=relay,
+                         fleet_port=fleet_port, http_port=http_port, tls=tls_files, auth=auth)
+        if auth:
+            dep.node_keys = make_node_keys(workdir / "certs" / "keys",
+                                           [f"supernode-{i}" for i in range(num_supernodes)])
+            for key in dep.node_keys:
+                register_node(dep, key)
+        for i in range(num_supernodes):
+            dep.supernodes.append(start_supernode(
+                dep, i, num_supernodes, key=dep.node_keys[i] if auth else None, device=device,
+                isolation=isolation,
+            ))
+        if wait:
+            wait_for_nodes(dep, num_supernodes)
+        yield dep
+    finally:
+        if dep is not None:
+            for proc in [*dep.extra, *dep.supernodes]:
+                stop_process(proc)
+        if relay is not None:
+            relay.stop()
+        if superlink is not None:
+            stop_process(superlink)
+
+
+# ---------------------------------------------------------------------------------- measuring
+
+
+def measure_idle(dep: Deployment, seconds: float) -> dict[str, float]:
+    """Relay bytes with every SuperNode connected and no run, per SuperNode per second."""
+    n = max(len(dep.supernodes), 1)
+    before, t0 = dep.relay.counts(), time.monotonic()
+    time.sleep(seconds)
+    used, dt = dep.relay.counts() - before, time.monotonic() - t0
+    return {
+        "seconds": dt,
+        "supernodes": n,
+        "client_to_server": used.client_to_server,
+        "server_to_client": used.server_to_client,
+        "c2s_per_node_per_s": used.client_to_server / n / dt,
+        "s2c_per_node_per_s": used.server_to_client / n / dt,
+    }
+
+
+@dataclasses.dataclass
+class RoundWire:
+    """One round: what results.json says was sent, and what the relay saw in that round's window."""
+
+    round: int
+    clients: int
+    accuracy: float
+    upload_bytes: int  # results.json: serialized message content, summed over clients
+    download_bytes: int
+    relay: Counts  # relay bytes between the previous round's snapshot and this one's
+    seconds: float  # length of the window
+
+    @property
+    def overhead(self) -> int:
+        """Relay client->server bytes minus the serialized content bytes."""
+        return self.relay.client_to_server - self.upload_bytes
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["relay"] = self.relay.as_dict()
+        d["overhead"] = self.overhead
+        return d
+
+
+@dataclasses.dataclass
+class RunResult:
+    returncode: int
+    seconds: float
+    out_dir: Path
+    results: dict | None
+    rounds: list[RoundWire]
+    total: Counts  # relay bytes from just before `flwr run` to its end
+    log: str
+
+    @property
+    def upload_bytes(self) -> int:
+        return sum(r.upload_bytes for r in self.rounds)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.results is not None
+
+    def as_dict(self) -> dict:
+        return {"returncode": self.returncode, "seconds": self.seconds, "out_dir": str(self.out_dir),
+                "rounds": [r.as_dict() for r in self.rounds], "total": self.total.as_dict(),
+                "upload_bytes": self.upload_bytes}
+
+
+def _read_results(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run_app(
+    dep: Deployment,
+    run_config: str,
+    out_dir: str | Path,
+    *,
+    timeout: float = 600,
+    app_dir: str | Path = ROOT,
+) -> RunResult:
+    """``flwr run <app_dir> <connection> --stream`` with ``run_config`` plus an absolute ``out-dir``.
+
+    While it runs, ``results.json`` is polled; each time a round appears the relay counters are
+    snapshot, so each round gets the relay bytes of its own window (from the previous round's
+    snapshot, or from the run's start, to its own).
+    """
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results_path = out_dir / "results.json"
+    if results_path.exists():
+        results_path.unlink()
+    config = f"{run_config} out-dir='{out_dir}'".strip()
+    cmd = ["flwr", "run", str(app_dir), CONNECTION, "--stream", "--run-config", config]
+    log_path = out_dir / "flwr-run.log"
+
+    snapshots: list[tuple[int, Counts, float]] = []  # (rounds seen, counts, time)
+    start_counts, t0 = dep.relay.counts(), time.monotonic()
+    proc = _spawn("flwr-run", cmd, dep.cli_env, log_path, dep.workdir)
+    seen = 0
+    try:
+        deadline = t0 + timeout
+        while True:
+            running = proc.alive()
+            data = _read_results(results_path)
+            n = len(data["rounds"]) if data else 0
+            if n > seen:
+                snapshots.append((n, dep.relay.counts(), time.monotonic()))
+                seen = n
+            if not running:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"flwr run did not finish in {timeout}s:\n{proc.log()[-3000:]}")
+            time.sleep(0.05)
+        returncode = proc.popen.returncode
+    finally:
+        if proc.alive():
+            stop_process(proc)
+        else:
+            proc.popen.wait()
+            if proc._log_file is not None:
+                proc._log_file.close()
+                proc._log_file = None
+    seconds = time.monotonic() - t0
+    total = dep.relay.counts() - start_counts
+    results = _read_results(results_path)
+
+    rounds: list[RoundWire] = []
+    if results:
+        prev_counts, prev_t = start_counts, t0
+        by_round = {r["round"]: r for r in results["rounds"]}
+        for n, counts, t in snapshots:
+            row = by_round.get(n) or results["rounds"][n - 1]
+            # rounds that appeared together (not seen separately) are folded into the last one
+            first = rounds[-1].round + 1 if rounds else 1
+            rows = [by_round[k] for k in range(first, n + 1) if k in by_round]
+            rounds.append(RoundWire(
+                round=row["round"],
+                clients=sum(len(r.get("clients", [])) for r in rows),
+                accuracy=float(row["accuracy"]),
+                upload_bytes=sum(int(r["upload_bytes"]) for r in rows),
+                download_bytes=sum(int(r["download_bytes"]) for r in rows),
+                relay=counts - prev_counts,
+                seconds=t - prev_t,
+            ))
+            prev_counts, prev_t = counts, t
+    return RunResult(returncode=returncode, seconds=seconds, out_dir=out_dir, results=results,
+                     rounds=rounds, total=total, log=proc.log())
+
+
+def format_table(run: RunResult, idle: dict | None = None) -> str:
+    """Per-round table: results.json upload bytes vs relay client->server bytes."""
+    head = (f"{'round':>5} {'clients':>7} {'acc':>6} {'results.json up':>15} {'relay c2s':>11} "
+            f"{'overhead':>9} {'ovh/client':>10} {'relay s2c':>11} {'results down':>12} {'secs':>6}")
+    lines = [head, "-" * len(head)]
+    for r in run.rounds:
+        per_client = r.overhead / r.clients if r.clients else float("nan")
+        lines.append(
+            f"{r.round:>5} {r.clients:>7} {r.accuracy:>6.3f} {r.upload_bytes:>15,} {r.relay.client_to_server:>11,} "
+            f"{r.overhead:>9,} {per_client:>10,.0f} {r.relay.server_to_client:>11,} {r.download_bytes:>12,} "
+            f"{r.seconds:>6.1f}"
+        )
+    up = run.upload_bytes
+    in_rounds = sum(r.relay.client_to_server for r in run.rounds)
+    lines.append("-" * len(head))
+    lines.append(f"run: {run.seconds:.1f} s, rc {run.returncode}; results.json upload {up:,} B; relay c2s in rounds "
+                 f"{in_rounds:,} B, whole run {run.total.client_to_server:,} B (s2c {run.total.server_to_client:,} B)")
+    if run.rounds:
+        clients = sum(r.clients for r in run.rounds)
+        overhead = in_rounds - up
+        line = (f"overhead in rounds: {overhead:,} B = {overhead / max(clients, 1):,.0f} B per client-round "
+                f"({in_rounds / max(up, 1):.4f}x the content)")
+        if idle:
+            idle_part = idle["c2s_per_node_per_s"] * sum(r.seconds * r.clients for r in run.rounds)
+            line += (f"; idle polling would account for ~{idle_part:,.0f} B of it, leaving "
+                     f"~{(overhead - idle_part) / max(clients, 1):,.0f} B per reply")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m simulations.deploy",
+        description="SuperLink + N SuperNodes on loopback (Fleet API behind a byte-counting relay), "
+                    "flwr run, and a per-round byte table.",
+    )
+    parser.add_argument("--supernodes", type=int, default=2, help="number of SuperNodes (default 2)")
+    parser.add_argument("--tls", action="store_true", help="TLS with a self-signed CA (simulations.certs)")
+    parser.add_argument("--auth", action="store_true",
+                        help="SuperNode authentication (implies --tls): keys registered with flwr supernode register")
+    parser.add_argument("--intruder", action="store_true",
+                        help="with --auth: also start a SuperNode with an unregistered key and report its fate")
+    parser.add_argument("--rounds", type=int, default=3, help="num-server-rounds (default 3)")
+    parser.add_argument("--run-config", action="append", default=None,
+                        help="extra run config, e.g. \"model='mlp-large' upload='none()'\"; repeat for "
+                             "several runs on the same deployment (default: one run with the app's defaults)")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="where logs, certificates and results go (default: ./outputs/deploy-<time>)")
+    parser.add_argument("--device", default=None, help="node-config device for every SuperNode, e.g. cuda")
+    parser.add_argument("--isolation", default="subprocess", choices=["subprocess"],
+                        help="SuperNode ClientApp isolation (only subprocess is started by this script)")
+    parser.add_argument("--idle-seconds", type=float, default=30.0,
+                        help="measure Flower's idle traffic for this long before the runs (0: skip)")
+    parser.add_argument("--timeout", type=float, default=1800, help="per-run timeout in seconds")
+    parser.add_argument("--json", type=Path, default=None, help="also write all figures to this JSON file")
+    args = parser.parse_args(argv)
+    if args.auth:
+        args.tls = True
+    if args.intruder and not args.auth:
+        parser.error("--intruder needs --auth")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = (args.out_dir or Path("outputs") / f"deploy-{stamp}").resolve()
+    configs = args.run_config or [""]
+    report: dict = {"date": datetime.date.today().isoformat(), "argv": sys.argv, "supernodes": args.supernodes,
+                    "tls": args.tls, "auth": args.auth, "runs": []}
+
+    t_start = time.monotonic()
+    with deployment(out / "deploy", args.supernodes, tls=args.tls, auth=args.auth, device=args.device,
+                    isolation=args.isolation) as dep:
+        t_up = time.monotonic() - t_start
+        print(f"SuperLink: Fleet API 127.0.0.1:{dep.fleet_port} behind relay {dep.relay.address}, "
+              f"HTTP API 127.0.0.1:{dep.http_port}; {args.supernodes} SuperNodes activated in {t_up:.1f} s"
+              f"{' (TLS' + (' + node auth' if args.auth else '') + ')' if args.tls else ''}; logs in {out / 'deploy' / 'logs'}")
+        report["startup_seconds"] = t_up
+
+        if args.intruder:
+            report["intruder"] = _intruder(dep, args.supernodes)
+            print(f"unregistered SuperNode: {report['intruder']['verdict']}")
+
+        idle = None
+        if args.idle_seconds > 0:
+            idle = measure_idle(dep, args.idle_seconds)
+            report["idle"] = idle
+            print(f"idle ({idle['seconds']:.1f} s, {idle['supernodes']} SuperNodes, no run): "
+                  f"c2s {idle['client_to_server']:,} B, s2c {idle['server_to_client']:,} B = "
+                  f"{idle['c2s_per_node_per_s']:.1f} B/s c2s + {idle['s2c_per_node_per_s']:.1f} B/s s2c per SuperNode")
+
+        runs: list[RunResult] = []
+        for k, extra in enumerate(configs):
+            run_config = f"num-server-rounds={args.rounds} {extra}".strip()
+            print(f"\nrun {k + 1}/{len(configs)}: --run-config \"{run_config}\"")
+            run = run_app(dep, run_config, out / f"run-{k + 1}", timeout=args.timeout)
+            runs.append(run)
+            print(format_table(run, idle))
+            report["runs"].append({"run_config": run_config, **run.as_dict()})
+            if not run.ok:
+                print(f"run failed (rc {run.returncode}); last log lines:\n{run.log[-3000:]}")
+        if len(runs) > 1 and runs[0].ok:
+            base = runs[0].total.client_to_server
+            for k, run in enumerate(runs[1:], start=2):
+                if run.ok and base:
+                    print(f"relay client->server, run {k} / run 1: {run.total.client_to_server / base:.1f}x "
+                          f"(results.json: {run.upload_bytes / max(runs[0].upload_bytes, 1):.1f}x)")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    return 0 if all(r.ok for r in runs) else 1
+
+
+def _intruder(dep: Deployment, index: int) -> dict:
+    """Start a SuperNode whose key was never registered; it must not be activated."""
+    (key,) = make_node_keys(dep.workdir / "certs" / "intruder", ["intruder"])
+    before = set(dep.activated_nodes())
+    proc = start_supernode(dep, index, index + 1, key=key, name="intruder", max_retries=2)
+    dep.extra.append(proc)
+    try:
+        proc.popen.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    new = set(dep.activated_nodes()) - before
+    exited = proc.popen.poll()
+    verdict = ("refused: exited with code %s, never activated" % exited if exited is not None and not new
+               else f"NOT refused (activated {sorted(new)}, exit {exited})")
+    return {"exit_code": exited, "activated": sorted(new), "verdict": verdict,
+            "log_tail": proc.log()[-600:]}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
