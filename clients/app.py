@@ -7,19 +7,13 @@ engine, or by ``flower-supernode --node-config``), optional ``device`` (``cpu``,
 
 from __future__ import annotations
 
-import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.mod import compression_mod
+from clients.mod import compression_mod, node_device
 from simulations import task
 
 app = ClientApp(mods=[compression_mod])
-
-
-def _device(context: Context) -> torch.device:
-    wanted = str(context.node_config.get("device", "cuda" if torch.cuda.is_available() else "cpu"))
-    return torch.device(wanted if not wanted.startswith("cuda") or torch.cuda.is_available() else "cpu")
 
 
 @app.train()
@@ -35,7 +29,7 @@ def train(msg: Message, context: Context) -> Message:
     loss = task.train(
         model, x, y,
         epochs=int(cfg["local-epochs"]), lr=float(cfg["lr"]), batch_size=int(cfg["batch-size"]),
-        seed=seed * 100_003 + server_round * 1009 + pid, device=_device(context),
+        seed=seed * 100_003 + server_round * 1009 + pid, device=node_device(context),
     )
     model.cpu()
     return Message(

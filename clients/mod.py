@@ -26,8 +26,9 @@ def _torch_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return dict(record.to_torch_state_dict())
 
 
-def _device(context: Context) -> torch.device:
-    wanted = str(context.node_config.get("device", "cpu"))
+def node_device(context: Context) -> torch.device:
+    """The node's device: node config ``device`` if given, else CUDA when present, else CPU."""
+    wanted = str(context.node_config.get("device", "cuda" if torch.cuda.is_available() else "cpu"))
     if wanted.startswith("cuda") and not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device(wanted)
@@ -60,7 +61,7 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
         )
     trained = _torch_dict(reply.content.array_records[array_keys[0]])
     layout.check(trained)
-    device = _device(context)
+    device = node_device(context)
     delta = {name: trained[name].to(device) - received[name].to(device) for name in layout.names}
 
     use_ef = bool(cfg[P.ERROR_FEEDBACK])
