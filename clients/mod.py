@@ -68,10 +68,17 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     residual = _torch_dict(context.state.array_records[P.RESIDUAL_STATE]) if (
         use_ef and P.RESIDUAL_STATE in context.state.array_records
     ) else None
-    nonce = fedcomp.derive_nonce(int(cfg[P.SEED]), int(cfg[P.ROUND]), context.node_id)
-    encoded, new_residual = fedcomp.compress(upload, delta, residual, nonce=nonce, error_feedback=use_ef)
+    state = _torch_dict(context.state.array_records[P.CODEC_STATE]) if P.CODEC_STATE in context.state.array_records else {}
+    state = {k: v.to(device) for k, v in state.items()}
+    server_round = int(cfg[P.ROUND])
+    nonce = fedcomp.derive_nonce(int(cfg[P.SEED]), server_round, context.node_id)
+    encoded, new_residual = fedcomp.compress(
+        upload, delta, residual, nonce=nonce, error_feedback=use_ef, round=server_round, state=state
+    )
     if new_residual:
         context.state[P.RESIDUAL_STATE] = ArrayRecord({k: v.cpu() for k, v in new_residual.items()})
+    if state:
+        context.state[P.CODEC_STATE] = ArrayRecord({k: v.cpu() for k, v in state.items()})
 
     content = RecordDict({k: v for k, v in reply.content.items() if k != array_keys[0]})
     content[P.UPLOAD_RECORD] = ConfigRecord({P.PAYLOAD: encoded.payload, P.ARRAYS_KEY: array_keys[0]})

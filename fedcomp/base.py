@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -93,20 +94,83 @@ class Quantizer(Stage):
         raise NotImplementedError
 
 
-class Selector(Stage):
-    """Picks the elements of a segment that travel, and codes their positions."""
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of the flattened update that one reducer call sees: one tensor, or all float tensors."""
 
-    kind = "selector"
-    scope: str  # "global": one segment over all float tensors; "tensor": one per tensor
+    index: int  # position among the payload's segments
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    numel: int
+
+
+@dataclass
+class StageContext:
+    """What a stage may use besides its input: the nonce, the round, and (encoder side) state."""
+
+    nonce: int = 0
+    round: int = 0
+    state: dict[str, torch.Tensor] | None = None  # client-side stage state, updated in place
+
+    def generator(self, segment: int, device: torch.device | str = "cpu") -> torch.Generator:
+        """A private generator seeded from (nonce, segment): the decoder can rebuild it."""
+        gen = torch.Generator(device=device)
+        gen.manual_seed((self.nonce * 0x9E3779B97F4A7C15 + segment + 1) & ((1 << 63) - 1))
+        return gen
+
+
+class Reducer(Stage):
+    """Turns a segment into fewer values (kept elements, sketch cells, low-rank factors) and back.
+
+    The pipeline quantizer codes the values; the reducer writes whatever side information its
+    decoder needs (positions, shapes) and rebuilds the dense segment from decoded values.
+    """
+
+    kind = "reducer"
+    scope: str = "global"  # "global": one segment over all float tensors; "tensor": one per tensor
+    linear: ClassVar[bool] = False  # values of several encodes may be summed before expand
 
     def default_quantizer(self) -> Quantizer:
         return REGISTRY["none"].from_args({})
 
-    def count(self, n: int) -> int | None:
-        """Kept elements of a segment of n, where that does not depend on the data."""
+    def count(self, seg: Segment) -> int | None:
+        """Number of values of a segment, where that does not depend on the data."""
         return None
 
-    def select(self, x: torch.Tensor, gen_cpu: torch.Generator) -> torch.Tensor:
+    def side_nbytes(self, seg: Segment, count: int) -> int | None:
+        """Bytes of side information where they depend on the segment and count only."""
+        return None
+
+    def reduce(self, x: torch.Tensor, seg: Segment, out: Writer, ctx: StageContext) -> tuple[torch.Tensor, Any, int]:
+        """Write side information; return (values to quantize, aux for expand, side bytes)."""
+        raise NotImplementedError
+
+    def read(self, src: Reader, seg: Segment, ctx: StageContext, device: torch.device) -> Any:
+        """Read side information; return the aux that :meth:`expand` and :meth:`value_count` take."""
+        raise NotImplementedError
+
+    def value_count(self, aux: Any, seg: Segment) -> int:
+        raise NotImplementedError
+
+    def expand(self, values: torch.Tensor, aux: Any, seg: Segment) -> torch.Tensor:
+        """The dense segment (1-D, fp32) from decoded values."""
+        raise NotImplementedError
+
+    # -- error-feedback hooks (client side), per named tensor -----------------------------
+    def accumulate(
+        self, update: dict[str, torch.Tensor], residual: dict[str, torch.Tensor], ctx: StageContext
+    ) -> dict[str, torch.Tensor]:
+        """What gets encoded: by default update + residual (plain error feedback)."""
+        return {n: t + residual[n].to(t.device, t.dtype) if n in residual else t for n, t in update.items()}
+
+    def after_encode(self, target: dict[str, torch.Tensor], decoded: dict[str, torch.Tensor], ctx: StageContext) -> None:
+        """Update client state once the encode is known (DGC masks its momentum here)."""
+
+
+class Selector(Reducer):
+    """A sparsifier: picks the elements of a segment that travel, and codes their positions."""
+
+    def select(self, x: torch.Tensor, ctx: StageContext, seg: Segment) -> torch.Tensor:
         """Sorted int64 indices of the kept elements of the segment ``x``."""
         raise NotImplementedError
 
@@ -114,16 +178,29 @@ class Selector(Stage):
         """Write the index stream; return its size in bytes."""
         raise NotImplementedError
 
-    def read_indices(self, src: Reader, n: int, gen_cpu: torch.Generator, device: torch.device) -> torch.Tensor:
+    def read_indices(self, src: Reader, seg: Segment, ctx: StageContext, device: torch.device) -> torch.Tensor:
         raise NotImplementedError
-
-    def index_nbytes(self, n: int, k: int) -> int | None:
-        """Bytes of the index stream where they depend on n and k only (else None)."""
-        return None
 
     def scale(self, n: int, k: int) -> float:
         """Factor applied to kept values before quantization (random-k's n/k when unbiased)."""
         return 1.0
+
+    def reduce(self, x, seg, out, ctx):
+        idx = self.select(x, ctx, seg)
+        side = self.write_indices(idx, seg.numel, out)
+        scale = self.scale(seg.numel, idx.numel())
+        return (x[idx] * scale if scale != 1.0 else x[idx]), idx, side
+
+    def read(self, src, seg, ctx, device):
+        return self.read_indices(src, seg, ctx, device)
+
+    def value_count(self, aux, seg):
+        return aux.numel()
+
+    def expand(self, values, aux, seg):
+        y = torch.zeros(seg.numel, device=values.device)
+        y[aux] = values
+        return y
 
 
 def block_size(count: int, block: int) -> int:

@@ -1,8 +1,9 @@
 """Codecs built from spec strings: encode named tensors to bytes, decode bytes to named tensors.
 
 Data path of one encode: float tensors are flattened to fp32 and cut into *segments* (one per
-tensor, or one over all float tensors for a global selector); per segment the selector writes
-its index stream and the quantizer the kept values. Non-float tensors travel raw (exact).
+tensor, or one over all float tensors for a global reducer); per segment the reducer turns the
+segment into fewer values and writes its side information (positions...), and the quantizer
+codes the values. Non-float tensors travel raw (exact).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from fedcomp import quantizers as _quantizers  # noqa: F401  (registers the quantizers)
 from fedcomp import sparsifiers as _sparsifiers  # noqa: F401  (registers the selectors)
-from fedcomp.base import REGISTRY, Quantizer, Selector
+from fedcomp.base import REGISTRY, Quantizer, Reducer, Segment, StageContext
 from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.layout import Layout
 from fedcomp.spec import parse_spec
@@ -30,30 +31,18 @@ def derive_nonce(*parts: int) -> int:
     return int.from_bytes(zlib.crc32(data).to_bytes(4, "little") + zlib.adler32(data).to_bytes(4, "little"), "little")
 
 
-def _generator(nonce: int, segment: int, device: torch.device) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed((nonce * 0x9E3779B97F4A7C15 + segment + 1) & ((1 << 63) - 1))
-    return gen
-
-
 @dataclass(frozen=True)
 class Encoded:
     """One encoded update: the bytes and what the decoder will reconstruct from them."""
 
     payload: bytes
     decoded: dict[str, torch.Tensor]  # exactly what Codec.decode(payload) returns
-    kept: tuple[int, ...]  # elements sent per segment
-    index_bytes: tuple[int, ...]  # bytes of each segment's index stream
-
-
-@dataclass(frozen=True)
-class _Segment:
-    tensors: tuple[int, ...]  # positions in the layout
-    numel: int
+    kept: tuple[int, ...]  # values sent per segment (kept elements, sketch cells, factor entries)
+    index_bytes: tuple[int, ...]  # bytes of each segment's side information (positions...)
 
 
 class Codec:
-    """A parsed spec: an optional selector followed by a quantizer.
+    """A parsed spec: an optional reducer (sparsifier, sketch, low rank) followed by a quantizer.
 
     Parameters
     ----------
@@ -64,26 +53,36 @@ class Codec:
     def __init__(self, spec: str) -> None:
         stages = [_build_stage(stage.name, dict(stage.args)) for stage in parse_spec(spec)]
         kinds = [s.kind for s in stages]
-        if kinds not in (["quantizer"], ["selector"], ["selector", "quantizer"]):
+        if kinds not in (["quantizer"], ["reducer"], ["reducer", "quantizer"]):
             raise SpecError(
                 f"codec spec {spec!r} chains {' + '.join(s.name for s in stages)}; a codec is one quantizer, "
-                f"one selector, or a selector followed by a quantizer (e.g. 'topk(ratio=0.01)+qsgd(bits=4)')"
+                f"one sparsifier/reducer, or a reducer followed by a quantizer (e.g. 'topk(ratio=0.01)+qsgd(bits=4)')"
             )
-        self.selector: Selector | None = stages[0] if kinds[0] == "selector" else None  # type: ignore[assignment]
-        self.quantizer: Quantizer = stages[-1] if kinds[-1] == "quantizer" else self.selector.default_quantizer()  # type: ignore[union-attr,assignment]
+        self.reducer: Reducer | None = stages[0] if kinds[0] == "reducer" else None  # type: ignore[assignment]
+        self.quantizer: Quantizer = stages[-1] if kinds[-1] == "quantizer" else self.reducer.default_quantizer()  # type: ignore[union-attr,assignment]
         self.spec = "+".join(s.canonical() for s in stages)
         self.fingerprint = zlib.crc32(self.spec.encode())
+
+    @property
+    def selector(self) -> Reducer | None:
+        """The reducer stage (kept under its first name: every sparsifier is one)."""
+        return self.reducer
 
     # -- traits -----------------------------------------------------------------------------
     @property
     def unbiased(self) -> bool:
         """E[decode(encode(x))] == x."""
-        return bool(self.quantizer.unbiased and (self.selector is None or self.selector.unbiased))
+        return bool(self.quantizer.unbiased and (self.reducer is None or self.reducer.unbiased))
 
     @property
     def lossless(self) -> bool:
         """Exact for fp32, fp16 and bf16 tensors (values travel as fp32 at most: float64 is rounded)."""
-        return self.selector is None and self.quantizer.name == "none"
+        return self.reducer is None and self.quantizer.name == "none"
+
+    @property
+    def linear(self) -> bool:
+        """Encoded values of several updates may be summed before decoding (sketches)."""
+        return bool(self.reducer is not None and self.reducer.linear and self.quantizer.name == "none")
 
     @property
     def needs_error_feedback(self) -> bool:
@@ -94,11 +93,18 @@ class Codec:
         return f"Codec({self.spec!r})"
 
     # -- segments ---------------------------------------------------------------------------
-    def _segments(self, layout: Layout) -> list[_Segment]:
+    def segments(self, layout: Layout) -> list[tuple[Segment, tuple[int, ...]]]:
+        """The payload's segments, each with the layout positions of its tensors."""
         floats = [i for i, t in enumerate(layout.tensors) if t.is_float]
-        if self.selector is not None and self.selector.scope == "global":
-            return [_Segment(tuple(floats), sum(layout.tensors[i].numel for i in floats))] if floats else []
-        return [_Segment((i,), layout.tensors[i].numel) for i in floats]
+        if self.reducer is not None and self.reducer.scope == "global":
+            groups = [tuple(floats)] if floats else []
+        else:
+            groups = [(i,) for i in floats]
+        return [
+            (Segment(j, tuple(layout.tensors[i].name for i in g), tuple(layout.tensors[i].shape for i in g),
+                     sum(layout.tensors[i].numel for i in g)), g)
+            for j, g in enumerate(groups)
+        ]
 
     # -- sizes ------------------------------------------------------------------------------
     def size_bytes(
@@ -107,62 +113,72 @@ class Codec:
         """Exact encoded size. ``kept``/``index_bytes`` are needed only where they depend on the
         data (threshold selection, Rice-coded indices): pass ``Encoded.kept``/``Encoded.index_bytes``.
         """
-        segments = self._segments(layout)
         total = OVERHEAD_BYTES + sum(t.numel * t.torch_dtype.itemsize for t in layout.tensors if not t.is_float)
-        for j, seg in enumerate(segments):
-            if self.selector is None:
+        for j, (seg, _) in enumerate(self.segments(layout)):
+            if self.reducer is None:
                 total += self.quantizer.nbytes(seg.numel)
                 continue
-            k = kept[j] if kept is not None else self.selector.count(seg.numel)
-            ib = index_bytes[j] if index_bytes is not None else self.selector.index_nbytes(seg.numel, k or 0)
-            if k is None or ib is None:
+            k = kept[j] if kept is not None else self.reducer.count(seg)
+            side = index_bytes[j] if index_bytes is not None else self.reducer.side_nbytes(seg, k or 0)
+            if k is None or side is None:
                 raise ValueError(f"size of {self.spec} depends on the data; pass kept= and index_bytes= from encode")
-            total += ib + self.quantizer.nbytes(k)
+            total += side + self.quantizer.nbytes(k)
         return total
 
     # -- encode -----------------------------------------------------------------------------
-    def encode(self, tensors: Mapping[str, torch.Tensor], nonce: int = 0) -> Encoded:
-        """Encode named tensors on their device; only the final bytes are copied to the host."""
+    def encode(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        nonce: int = 0,
+        *,
+        round: int = 0,
+        state: dict[str, torch.Tensor] | None = None,
+    ) -> Encoded:
+        """Encode named tensors on their device; only the final bytes are copied to the host.
+
+        ``state`` is the client's codec state (e.g. PowerSGD's warm-start factors), updated in
+        place; ``round`` drives schedules such as DGC's warm-up.
+        """
         layout = Layout.of(tensors)
         values = list(tensors.values())
         device = values[0].device if values else torch.device("cpu")
+        ctx = StageContext(nonce & _MASK64, round, state)
         out = Writer(device)
         decoded: list[torch.Tensor | None] = [None] * len(values)
-        kept, index_bytes = [], []
-        for j, seg in enumerate(self._segments(layout)):
-            x = torch.cat([values[i].detach().reshape(-1).float() for i in seg.tensors]) if seg.tensors else torch.empty(0)
-            gen = _generator(nonce, j, device)
-            if self.selector is None:
+        kept, side_bytes = [], []
+        for seg, group in self.segments(layout):
+            x = torch.cat([values[i].detach().reshape(-1).float() for i in group])
+            gen = ctx.generator(seg.index, device)
+            if self.reducer is None:
                 y = self.quantizer.encode(x, out, gen)
                 kept.append(seg.numel)
-                index_bytes.append(0)
+                side_bytes.append(0)
             else:
-                idx = self.selector.select(x, _generator(nonce, j, torch.device("cpu")))
-                index_bytes.append(self.selector.write_indices(idx, seg.numel, out))
-                scale = self.selector.scale(seg.numel, idx.numel())
-                vals = x[idx] * scale if scale != 1.0 else x[idx]
-                y = torch.zeros_like(x)
-                y[idx] = self.quantizer.encode(vals, out, gen)
-                kept.append(idx.numel())
-            self._split(y, seg, layout, decoded)
+                vals, aux, side = self.reducer.reduce(x, seg, out, ctx)
+                y = self.reducer.expand(self.quantizer.encode(vals, out, gen), aux, seg)
+                kept.append(vals.numel())
+                side_bytes.append(side)
+            self._split(y, group, layout, decoded)
         for i, spec in enumerate(layout.tensors):
             if not spec.is_float:
                 out.tensor(values[i])
                 decoded[i] = values[i].detach().clone()
-        payload = out.getvalue(layout.fingerprint(), self.fingerprint, nonce & _MASK64)
+        payload = out.getvalue(layout.fingerprint(), self.fingerprint, ctx.nonce)
         named = {name: t for name, t in zip(layout.names, decoded)}  # type: ignore[misc]
-        return Encoded(payload, named, tuple(kept), tuple(index_bytes))
+        return Encoded(payload, named, tuple(kept), tuple(side_bytes))
 
     @staticmethod
-    def _split(y: torch.Tensor, seg: _Segment, layout: Layout, out: list) -> None:
+    def _split(y: torch.Tensor, group: tuple[int, ...], layout: Layout, out: list) -> None:
         offset = 0
-        for i in seg.tensors:
+        for i in group:
             spec = layout.tensors[i]
             out[i] = y[offset:offset + spec.numel].view(spec.shape).to(spec.torch_dtype)
             offset += spec.numel
 
     # -- decode -----------------------------------------------------------------------------
-    def decode(self, payload: bytes, layout: Layout, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    def decode(
+        self, payload: bytes, layout: Layout, device: torch.device | str = "cpu", *, round: int = 0
+    ) -> dict[str, torch.Tensor]:
         """Decode a payload for ``layout``.
 
         Raises
@@ -171,31 +187,51 @@ class Codec:
             For every malformed payload (and nothing else): truncated, corrupted, another
             version, layout or codec, or any length, count or index inconsistent with the layout.
         """
-        device = torch.device(device)
+        return self._decode(payload, layout, torch.device(device), round, expand=True)
+
+    def decode_values(self, payload: bytes, layout: Layout, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """The reducer's values per segment, before expansion (for linear codecs: sum, then expand)."""
+        return self._decode(payload, layout, torch.device(device), 0, expand=False)
+
+    def expand(self, values: list[torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+        """Dense tensors from per-segment values (e.g. a sum of sketches)."""
+        if self.reducer is None:
+            raise ValueError(f"{self.spec} has no reducer to expand")
+        decoded: list[torch.Tensor | None] = [None] * len(layout.tensors)
+        for (seg, group), vals in zip(self.segments(layout), values):
+            self._split(self.reducer.expand(vals, None, seg), group, layout, decoded)
+        return {name: t for name, t in zip(layout.names, decoded) if t is not None}  # type: ignore[misc]
+
+    def _decode(self, payload, layout, device, round, expand):
         src, nonce = open_payload(payload, layout.fingerprint(), self.fingerprint)
         try:
-            decoded = self._decode_body(src, nonce, layout, device)
+            return self._decode_body(src, StageContext(nonce, round), layout, device, expand)
         except FedcompError:
             raise
         except (RuntimeError, ValueError, IndexError, OverflowError) as exc:  # defence in depth: fuzzing finds none
             raise DecodeError(f"malformed payload: {exc}") from exc
-        return decoded
 
-    def _decode_body(self, src: Reader, nonce: int, layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+    def _decode_body(self, src: Reader, ctx: StageContext, layout: Layout, device: torch.device, expand: bool):
         decoded: list[torch.Tensor | None] = [None] * len(layout.tensors)
-        for j, seg in enumerate(self._segments(layout)):
-            if self.selector is None:
+        raw_values = []
+        for seg, group in self.segments(layout):
+            if self.reducer is None:
                 y = self.quantizer.decode(src, seg.numel, device)
             else:
-                idx = self.selector.read_indices(src, seg.numel, _generator(nonce, j, torch.device("cpu")), device)
-                y = torch.zeros(seg.numel, device=device)
-                y[idx] = self.quantizer.decode(src, idx.numel(), device)
-            self._split(y, seg, layout, decoded)
+                aux = self.reducer.read(src, seg, ctx, device)
+                vals = self.quantizer.decode(src, self.reducer.value_count(aux, seg), device)
+                if not expand:
+                    raw_values.append(vals)
+                    continue
+                y = self.reducer.expand(vals, aux, seg)
+            self._split(y, group, layout, decoded)
         for i, spec in enumerate(layout.tensors):
             if not spec.is_float:
                 raw = src.tensor(spec.numel, spec.torch_dtype)
                 decoded[i] = raw.view(spec.shape).to(device)
         src.finish()
+        if not expand:
+            return raw_values
         return {name: t for name, t in zip(layout.names, decoded)}  # type: ignore[misc]
 
 

@@ -2,8 +2,10 @@
 
     p = u + e;   c = encode(p);   e <- p - decode(c);   send c
 
-The residual ``e`` is a plain mapping of tensors: the caller keeps it (fedcomp's Flower mod
-keeps it in the node's ``Context.state``), so this module holds no state.
+The residual ``e`` and the codec's own state (e.g. PowerSGD's warm-start factors, DGC's
+momentum) are plain mappings of tensors: the caller keeps them (fedcomp's Flower mod keeps them
+in the node's ``Context.state``), so this module holds no state. A reducer may change how the
+update and the residual combine (DGC accumulates momentum, not the raw update).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
+from fedcomp.base import StageContext
 from fedcomp.codec import Codec, Encoded
 
 
@@ -22,23 +25,33 @@ def compress(
     *,
     nonce: int = 0,
     error_feedback: bool = True,
+    round: int = 0,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> tuple[Encoded, dict[str, torch.Tensor]]:
     """Encode ``update`` (plus the residual, when error feedback is on).
 
     Returns the encoded update and the new residual (empty when error feedback is off or the
     codec is lossless). Residuals of tensors absent from ``update`` are dropped; a residual
-    whose shape no longer matches its tensor is ignored rather than added.
+    whose shape no longer matches its tensor is ignored rather than added. ``state`` (the
+    codec's client state) is updated in place.
     """
     # values travel as fp32 at most: none() is exact for fp32/fp16/bf16, not for float64
     exact = codec.lossless and all(t.dtype != torch.float64 for t in update.values())
     use_ef = error_feedback and not exact
-    target = dict(update)
+    ctx = StageContext(nonce, round, state)
+    update = dict(update)
+    kept = {}
     if use_ef and residual:
-        for name, r in residual.items():
-            t = target.get(name)
-            if t is not None and t.is_floating_point() and r.shape == t.shape:
-                target[name] = t + r.to(device=t.device, dtype=t.dtype)
-    encoded = codec.encode(target, nonce=nonce)
+        kept = {
+            n: r for n, r in residual.items()
+            if n in update and update[n].is_floating_point() and r.shape == update[n].shape
+        }
+    target = codec.reducer.accumulate(update, kept, ctx) if (use_ef and codec.reducer is not None) else {
+        n: t + kept[n].to(t.device, t.dtype) if n in kept else t for n, t in update.items()
+    }
+    encoded = codec.encode(target, nonce=nonce, round=round, state=state)
+    if codec.reducer is not None and use_ef:
+        codec.reducer.after_encode(target, encoded.decoded, ctx)
     if not use_ef:
         return encoded, {}
     new_residual = {}

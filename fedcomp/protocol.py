@@ -17,6 +17,7 @@ Client -> server (train reply)::
 DOWNLOAD_RECORD = "fedcomp.download"
 UPLOAD_RECORD = "fedcomp.upload"
 RESIDUAL_STATE = "fedcomp.residual"  # Context.state key of the client's error-feedback residual
+CODEC_STATE = "fedcomp.codec-state"  # Context.state key of the codec's client state (warm starts, momentum)
 
 PAYLOAD = "payload"  # bytes: a fedcomp wire-format payload
 LAYOUT = "layout"  # str: Layout.to_json() of the model

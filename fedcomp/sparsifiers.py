@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedcomp.base import REGISTRY, Quantizer, Selector, register
+from fedcomp.base import Quantizer, Segment, Selector, StageContext, register
 from fedcomp.bitpack import (
     choose_rice_parameter,
     fixed_index_bits,
@@ -62,7 +62,8 @@ class _CodedIndices(Selector):
         out.tensor(rem)
         return 9 + unary.numel() + rem.numel()
 
-    def read_indices(self, src: Reader, n: int, gen_cpu: torch.Generator, device: torch.device) -> torch.Tensor:
+    def read_indices(self, src: Reader, seg: Segment, ctx: StageContext, device: torch.device) -> torch.Tensor:
+        n = seg.numel
         k = src.u32()
         if k > n:
             raise DecodeError(f"payload claims {k} kept elements in a segment of {n}")
@@ -79,8 +80,8 @@ class _CodedIndices(Selector):
         rem = src.take(packed_bytes(k, r))
         return rice_decode(unary, rem, k, r, n).to(device)
 
-    def index_nbytes(self, n: int, k: int) -> int | None:
-        return 4 + packed_bytes(k, fixed_index_bits(n)) if self.config.index == "fixed" else None
+    def side_nbytes(self, seg: Segment, count: int) -> int | None:
+        return 4 + packed_bytes(count, fixed_index_bits(seg.numel)) if self.config.index == "fixed" else None
 
 
 @register
@@ -100,10 +101,10 @@ class TopK(_CodedIndices):
         if not 0 < self.config.ratio <= 1:
             self.fail("ratio", "a fraction in (0, 1]")
 
-    def count(self, n: int) -> int | None:
-        return _kept(self.config.ratio, n)
+    def count(self, seg: Segment) -> int | None:
+        return _kept(self.config.ratio, seg.numel)
 
-    def select(self, x: torch.Tensor, gen_cpu: torch.Generator) -> torch.Tensor:
+    def select(self, x: torch.Tensor, ctx: StageContext, seg: Segment) -> torch.Tensor:
         k = _kept(self.config.ratio, x.numel())
         return torch.topk(x.abs(), k, sorted=False).indices.sort().values
 
@@ -128,7 +129,7 @@ class Threshold(_CodedIndices):
     def default_quantizer(self) -> Quantizer:
         return FixedSign(FixedSign.Config(tau=self.config.tau))
 
-    def select(self, x: torch.Tensor, gen_cpu: torch.Generator) -> torch.Tensor:
+    def select(self, x: torch.Tensor, ctx: StageContext, seg: Segment) -> torch.Tensor:
         return torch.nonzero(x.abs() >= self.config.tau).reshape(-1)
 
 
@@ -162,24 +163,24 @@ class RandomK(Selector):
     def unbiased(self) -> bool:  # type: ignore[override]
         return self.config.rescale
 
-    def count(self, n: int) -> int | None:
-        return _kept(self.config.ratio, n)
+    def count(self, seg: Segment) -> int | None:
+        return _kept(self.config.ratio, seg.numel)
 
-    def select(self, x: torch.Tensor, gen_cpu: torch.Generator) -> torch.Tensor:
-        return self._draw(x.numel(), gen_cpu).to(x.device)
+    def select(self, x: torch.Tensor, ctx: StageContext, seg: Segment) -> torch.Tensor:
+        return self._draw(x.numel(), ctx, seg).to(x.device)
 
-    def _draw(self, n: int, gen_cpu: torch.Generator) -> torch.Tensor:
-        return torch.randperm(n, generator=gen_cpu)[: _kept(self.config.ratio, n)].sort().values
+    def _draw(self, n: int, ctx: StageContext, seg: Segment) -> torch.Tensor:
+        gen = ctx.generator(seg.index, "cpu")  # CPU: the same positions whatever the device
+        return torch.randperm(n, generator=gen)[: _kept(self.config.ratio, n)].sort().values
 
     def write_indices(self, idx: torch.Tensor, n: int, out: Writer) -> int:
         return 0
 
-    def read_indices(self, src: Reader, n: int, gen_cpu: torch.Generator, device: torch.device) -> torch.Tensor:
-        return self._draw(n, gen_cpu).to(device)
+    def read_indices(self, src: Reader, seg: Segment, ctx: StageContext, device: torch.device) -> torch.Tensor:
+        return self._draw(seg.numel, ctx, seg).to(device)
 
-    def index_nbytes(self, n: int, k: int) -> int | None:
+    def side_nbytes(self, seg: Segment, count: int) -> int | None:
         return 0
 
     def scale(self, n: int, k: int) -> float:
         return n / k if self.config.rescale and k else 1.0
-

@@ -16,17 +16,129 @@ It relays bytes without looking at them, so it works with TLS as it is.
         used = relay.counts() - before   # a Counts with both directions and connections
 
 The event loop runs in a daemon thread; :meth:`Relay.stop` closes every connection and joins it.
+
+With ``http2=True`` (the default) the relay also parses what it forwards as HTTP/2 (cleartext
+gRPC, i.e. ``--insecure``) and breaks each direction down into: the connection preface, frame
+headers (9 bytes per frame), HEADERS/CONTINUATION payloads (HPACK request/response headers and
+trailers), gRPC length prefixes (5 bytes per gRPC message), gRPC message bodies (the protobuf
+requests/responses, which hold Flower's serialized objects), DATA padding, and control frames
+(SETTINGS, PING, WINDOW_UPDATE, RST_STREAM, GOAWAY, PRIORITY). See :meth:`Relay.http2_counts`.
+A connection that does not start with the HTTP/2 preface (e.g. TLS) is counted as ``opaque``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import struct
 import threading
 
-__all__ = ["Counts", "Relay"]
+__all__ = ["Counts", "Relay", "H2_FIELDS"]
 
 _CHUNK = 256 * 1024
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+#: Keys of each direction's dict in :meth:`Relay.http2_counts`. The ``*_bytes`` keys other than
+#: ``opaque_bytes`` add up to the bytes of cleartext HTTP/2 connections; ``opaque_bytes`` is
+#: everything else (TLS).
+H2_FIELDS: tuple[str, ...] = (
+    "preface_bytes", "frame_header_bytes", "headers_bytes", "grpc_prefix_bytes", "grpc_body_bytes",
+    "padding_bytes", "control_bytes", "opaque_bytes",
+    "frames", "headers_frames", "data_frames", "control_frames", "grpc_messages", "streams",
+)
+
+
+class _H2Meter:
+    """Incremental HTTP/2 frame parser for one direction of one connection (counts only)."""
+
+    def __init__(self, stats: dict[str, int], client_side: bool) -> None:
+        self.stats = stats
+        self.buf = bytearray()
+        self.need_preface = client_side
+        self.opaque = False
+        self.need_settings = not client_side  # a server's first frame is SETTINGS on stream 0
+        self.grpc: dict[int, list] = {}  # stream id -> [prefix bytearray, body bytes still to come]
+        self.max_stream = 0
+
+    def feed(self, data: bytes) -> None:
+        st = self.stats
+        if self.opaque:
+            st["opaque_bytes"] += len(data)
+            return
+        self.buf += data
+        if self.need_preface:
+            if len(self.buf) < len(_PREFACE):
+                if not _PREFACE.startswith(bytes(self.buf)):
+                    self._go_opaque()
+                return
+            if bytes(self.buf[:len(_PREFACE)]) != _PREFACE:
+                self._go_opaque()
+                return
+            st["preface_bytes"] += len(_PREFACE)
+            del self.buf[:len(_PREFACE)]
+            self.need_preface = False
+        pos, buf = 0, self.buf
+        while len(buf) - pos >= 9:
+            length = int.from_bytes(buf[pos:pos + 3], "big")
+            ftype, flags = buf[pos + 3], buf[pos + 4]
+            stream = struct.unpack_from(">I", buf, pos + 5)[0] & 0x7FFFFFFF
+            if self.need_settings:
+                if ftype != 4 or stream != 0:
+                    self._go_opaque()
+                    return
+                self.need_settings = False
+            if len(buf) - pos < 9 + length:
+                break
+            start, end = pos + 9, pos + 9 + length
+            st["frames"] += 1
+            st["frame_header_bytes"] += 9
+            if ftype == 0:  # DATA
+                st["data_frames"] += 1
+                if flags & 0x8 and length:  # PADDED: pad length byte + padding
+                    pad = buf[start]
+                    st["padding_bytes"] += pad + 1
+                    start, end = start + 1, end - pad
+                self._grpc(stream, buf, start, end)
+                if flags & 0x1:  # END_STREAM
+                    self.grpc.pop(stream, None)
+            elif ftype in (1, 9):  # HEADERS, CONTINUATION
+                st["headers_frames"] += 1
+                st["headers_bytes"] += length
+                if ftype == 1 and stream > self.max_stream:
+                    self.max_stream = stream
+                    st["streams"] += 1
+                if flags & 0x1:
+                    self.grpc.pop(stream, None)
+            else:
+                st["control_frames"] += 1
+                st["control_bytes"] += length
+            pos += 9 + length
+        del buf[:pos]
+
+    def _grpc(self, stream: int, buf: bytearray, i: int, n: int) -> None:
+        """Split ``buf[i:n]`` (DATA content of ``stream``) into gRPC prefixes and message bodies."""
+        st = self.stats
+        state = self.grpc.setdefault(stream, [bytearray(), 0])
+        while i < n:
+            if state[1] > 0:  # inside a message body
+                take = min(state[1], n - i)
+                st["grpc_body_bytes"] += take
+                state[1] -= take
+                i += take
+                continue
+            take = min(5 - len(state[0]), n - i)
+            state[0] += buf[i:i + take]
+            st["grpc_prefix_bytes"] += take
+            i += take
+            if len(state[0]) == 5:
+                st["grpc_messages"] += 1
+                state[1] = int.from_bytes(state[0][1:5], "big")
+                state[0] = bytearray()
+
+    def _go_opaque(self) -> None:
+        self.opaque = True
+        self.stats["opaque_bytes"] += len(self.buf)
+        self.buf = bytearray()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +181,7 @@ class Relay:
     """
 
     def __init__(self, target_host: str, target_port: int, listen_host: str = "127.0.0.1",
-                 listen_port: int = 0) -> None:
+                 listen_port: int = 0, http2: bool = True) -> None:
         self.target = (target_host, int(target_port))
         self.listen_host = listen_host
         self._listen_port = int(listen_port)
@@ -84,6 +196,8 @@ class Relay:
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()
         self._errors: list[BaseException] = []
+        self.http2 = http2
+        self._h2 = {d: dict.fromkeys(H2_FIELDS, 0) for d in ("client_to_server", "server_to_client")}
 
     # -- public API ------------------------------------------------------------------------
     @property
@@ -98,10 +212,20 @@ class Relay:
         with self._lock:
             return Counts(self._c2s, self._s2c, self._conns)
 
+    def http2_counts(self) -> dict[str, dict[str, int]]:
+        """Snapshot of the HTTP/2 breakdown: ``{"client_to_server": {...}, "server_to_client": {...}}``.
+
+        Keys are :data:`H2_FIELDS`. Counts of a frame are added when the whole frame has passed.
+        """
+        with self._lock:
+            return {d: dict(v) for d, v in self._h2.items()}
+
     def reset(self) -> None:
         """Set the counters back to zero (open connections keep being relayed)."""
         with self._lock:
             self._c2s = self._s2c = self._conns = 0
+            for v in self._h2.values():
+                v.update(dict.fromkeys(H2_FIELDS, 0))
 
     def start(self, timeout: float = 10.0) -> Relay:
         """Start listening (in a background thread); returns ``self``."""
@@ -166,21 +290,27 @@ class Relay:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def _add(self, direction: str, n: int) -> None:
+    def _add(self, direction: str, data: bytes, meter: _H2Meter | None) -> None:
         with self._lock:
             if direction == "c2s":
-                self._c2s += n
+                self._c2s += len(data)
             else:
-                self._s2c += n
+                self._s2c += len(data)
+            if meter is not None:
+                meter.feed(data)
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
+        meter = None
+        if self.http2:
+            meter = _H2Meter(self._h2["client_to_server" if direction == "c2s" else "server_to_client"],
+                             client_side=direction == "c2s")
         try:
             while True:
                 data = await reader.read(_CHUNK)
                 if not data:
                     break
                 writer.write(data)
-                self._add(direction, len(data))
+                self._add(direction, data, meter)
                 await writer.drain()
         except (ConnectionError, OSError, asyncio.IncompleteReadError):
             pass

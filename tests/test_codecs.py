@@ -1166,7 +1166,7 @@ def test_bad_values_name_the_value(spec, named):
     ],
 )
 def test_bad_chains_rejected(spec):
-    with pytest.raises(SpecError, match="selector followed by a quantizer"):
+    with pytest.raises(SpecError, match="followed by a quantizer"):
         build_codec(spec)
 
 
