@@ -16,6 +16,9 @@ import torch
 
 from fedcomp import quantizers as _quantizers  # noqa: F401  (registers the quantizers)
 from fedcomp import sparsifiers as _sparsifiers  # noqa: F401  (registers the selectors)
+from fedcomp import dgc as _dgc  # noqa: F401  (registers Deep Gradient Compression)
+from fedcomp import powersgd as _powersgd  # noqa: F401  (registers the low-rank reducer)
+from fedcomp import sketch as _sketch  # noqa: F401  (registers the count sketch)
 from fedcomp.base import REGISTRY, Quantizer, Reducer, Segment, StageContext
 from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.layout import Layout

@@ -1,5 +1,9 @@
 """Selectors (sparsifiers): which elements of a segment travel, and how their positions are coded.
 
+Top-k without a sort: :func:`sampled_topk` estimates the k-th largest |x| on a random sample
+and selects against it (DGC's selection, and the adaptive threshold's); :func:`exact_topk` is
+the partial-selection fallback.
+
 Index coding (``index=``): ``rice`` codes the gaps between sorted positions (Golomb-Rice, within
 about 1% of log2 C(n, k) for top-k), ``fixed`` spends ceil(log2 n) bits per position and has a
 size that depends on k only. Random-k sends no positions: the decoder regenerates them.
@@ -23,16 +27,102 @@ from fedcomp.bitpack import (
     unpack_bits,
 )
 from fedcomp.errors import DecodeError
-from fedcomp.quantizers import FixedSign
+from fedcomp.quantizers import FixedSign, Sign
 from fedcomp.wire import Reader, Writer
 
 SCOPES = ("global", "tensor")
 INDEX_CODINGS = ("rice", "fixed")
+THRESHOLD_MODES = ("abs", "signed")
+
+# sampled top-k (Lin et al. 2018, DGC; the reference code uses the same constants)
+SAMPLE_MIN = 1024  # at least this many |x| samples (LBANN's count); smaller segments use exact top-k
+SLACK_LOW, SLACK_HIGH = 0.8, 1.3  # accept a threshold that passes between 0.8k and 1.3k elements
+LOWER = 0.8  # factor applied to a threshold that passes fewer than 0.8k
+TRIES = 10  # thresholds tried before falling back to exact top-k
+_SAMPLE_STREAM = 1 << 32  # offset of the sampling generators' seeds from the quantizers' (ctx.generator)
 
 
 def _kept(ratio: float, n: int) -> int:
     """ceil(ratio * n), at least 1; the product is rounded first so 0.07 * 100 keeps 7, not 8."""
     return min(n, max(1, math.ceil(round(ratio * n, 6)))) if n else 0
+
+
+def exact_topk(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted positions of the k largest entries of ``mag`` (partial selection, no full sort)."""
+    return torch.topk(mag, k, sorted=False).indices.sort().values
+
+
+def nonzero_topk(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact top-k of the nonzero entries of ``mag`` (>= 0): all of them where at most k are nonzero."""
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=mag.device)
+    if int(torch.count_nonzero(mag)) <= k:
+        return torch.nonzero(mag).reshape(-1)
+    return exact_topk(mag, k)
+
+
+def sampled_threshold(mag: torch.Tensor, k: int, gen: torch.Generator, sample: float) -> torch.Tensor | None:
+    """Estimate of the k-th largest entry of ``mag`` from a random sample of it.
+
+    The sample holds m = max(SAMPLE_MIN, ceil(sample * n)) positions drawn with replacement from
+    ``gen`` (a CPU generator: the same positions on every device); the estimate is the
+    ceil(k * m / n)-th largest sampled value. None when m >= n (use the exact top-k).
+    """
+    n = mag.numel()
+    m = max(SAMPLE_MIN, math.ceil(sample * n))
+    if m >= n:
+        return None
+    pos = torch.randint(n, (m,), generator=gen).to(mag.device)
+    return torch.topk(mag[pos], max(1, math.ceil(k * m / n)), sorted=False).values.min()
+
+
+def topk_from_threshold(mag: torch.Tensor, k: int, thr: torch.Tensor | float) -> torch.Tensor:
+    """Sorted positions of about the k largest entries of ``mag`` (>= 0, e.g. |x|), by DGC's
+    threshold rule, starting from the estimate ``thr``:
+
+    1. c = #{j : mag_j >= thr and mag_j > 0}.
+    2. c > 1.3k: the exact top-k among those c (exactly k positions).
+    3. 0.8k <= c <= 1.3k: those c positions.
+    4. c < 0.8k: thr <- 0.8 thr and back to 1, at most TRIES (10) thresholds in all; then the
+       exact top-k of the whole vector (exactly k positions).
+
+    Zero entries are never kept (they would decode to zero, or to a sign quantizer's +scale):
+    where at most k entries are nonzero the result is all of them. Otherwise the result is a top
+    set (no unselected entry is larger than a selected one) of exactly k positions (paths 2, 4)
+    or of c in [ceil(0.8k), floor(1.3k)] (path 3). Only candidates are partially selected, and
+    only the kept positions are sorted, never the whole vector.
+    """
+    if k <= 0 or int(torch.count_nonzero(mag)) <= k:
+        return nonzero_topk(mag, k)
+    positive = mag > 0
+    for _ in range(TRIES):
+        idx = torch.nonzero((mag >= thr) & positive).reshape(-1)
+        c = idx.numel()
+        if c > SLACK_HIGH * k:
+            return idx[torch.topk(mag[idx], k, sorted=False).indices].sort().values
+        if c >= SLACK_LOW * k:
+            return idx
+        thr = thr * LOWER
+    return exact_topk(mag, k)
+
+
+def sampled_topk(mag: torch.Tensor, k: int, gen: torch.Generator, sample: float = 0.01) -> torch.Tensor:
+    """About the k largest entries of ``mag`` (>= 0, e.g. |x|), without sorting it.
+
+    The threshold is estimated on a random sample (:func:`sampled_threshold`) and refined by
+    :func:`topk_from_threshold`: the result is the exact top-k (k positions), or every nonzero
+    entry at or above an accepted threshold (between 0.8k and 1.3k positions). Segments no larger
+    than the sample (at most SAMPLE_MIN = 1,024 elements) take the exact top-k. Zero entries are
+    never kept. ``gen`` is the caller's private generator; the global RNG is never used.
+    Positions come sorted ascending.
+    """
+    thr = sampled_threshold(mag, k, gen, sample) if 0 < k < mag.numel() else None
+    return nonzero_topk(mag, k) if thr is None else topk_from_threshold(mag, k, thr)
+
+
+def sample_generator(ctx: StageContext, seg: Segment) -> torch.Generator:
+    """A private CPU generator for sampling thresholds, independent of the quantizer's stream."""
+    return ctx.generator(_SAMPLE_STREAM + seg.index, "cpu")
 
 
 class _CodedIndices(Selector):
@@ -105,19 +195,37 @@ class TopK(_CodedIndices):
         return _kept(self.config.ratio, seg.numel)
 
     def select(self, x: torch.Tensor, ctx: StageContext, seg: Segment) -> torch.Tensor:
-        k = _kept(self.config.ratio, x.numel())
-        return torch.topk(x.abs(), k, sorted=False).indices.sort().values
+        return exact_topk(x.abs(), _kept(self.config.ratio, x.numel()))
 
 
 @register
 class Threshold(_CodedIndices):
-    """Strom's static threshold: send every |x| >= tau; alone it sends signs decoding to +-tau."""
+    """Send the elements at or above a magnitude threshold: static (Strom) or chosen per round.
+
+    * ``ratio == 0`` (default): Strom's static threshold. Every |x| >= ``tau`` is sent; alone,
+      values travel as signs that decode to +-tau (the residual keeps x -+ tau).
+    * ``ratio > 0``: adaptive. Each encode picks the threshold that keeps about ``ratio`` of the
+      segment's elements, estimated on a random sample of ``sample`` of them (at least 1,024;
+      :func:`sampled_topk`), and ``tau`` is unused. ``mode="abs"``: one threshold on |x| (Aji &
+      Heafield 2017). ``mode="signed"``: separate thresholds for the positive and the negative
+      elements, keeping about ``ratio`` of each (Dryden et al. 2016). The kept count is between
+      0.8 and 1.3 times ceil(ratio * n) per selection (exactly that where the exact top-k path
+      is taken); it is written in the payload. Alone, adaptive mode sends sign bits that decode
+      to +- the mean |kept| of the segment (one fp32 scale: ``sign(block=0)``); append a
+      quantizer (``+none``, ``+fp16``...) to send values instead.
+
+    Either way the kept count depends on the data: pass ``Encoded.kept`` and
+    ``Encoded.index_bytes`` to ``Codec.size_bytes``.
+    """
 
     name = "threshold"
 
     @dataclass(frozen=True)
     class Config:
-        tau: float = 1e-3  # magnitude at or above which an element is sent
+        tau: float = 1e-3  # static mode: magnitude at or above which an element is sent
+        ratio: float = 0.0  # 0: static tau; in (0, 1]: adaptive, keep about this fraction per encode
+        mode: str = "abs"  # adaptive: "abs" (one |x| threshold, Aji) or "signed" (+/- thresholds, Dryden)
+        sample: float = 0.01  # adaptive: fraction of the elements sampled to set the threshold (min 1,024)
         scope: str = "global"  # "global" or "tensor" (selection is elementwise; only the coding differs)
         index: str = "rice"  # "rice" or "fixed"
 
@@ -125,12 +233,35 @@ class Threshold(_CodedIndices):
         super().validate()
         if not self.config.tau > 0:
             self.fail("tau", "a positive float")
+        if not 0 <= self.config.ratio <= 1:
+            self.fail("ratio", "0 (static tau) or a fraction in (0, 1] (adaptive)")
+        if self.config.mode not in THRESHOLD_MODES:
+            self.fail("mode", f"one of {THRESHOLD_MODES}")
+        if not 0 < self.config.sample <= 1:
+            self.fail("sample", "a fraction in (0, 1]")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.config.ratio > 0
 
     def default_quantizer(self) -> Quantizer:
+        if self.adaptive:
+            return Sign(Sign.Config(block=0))
         return FixedSign(FixedSign.Config(tau=self.config.tau))
 
     def select(self, x: torch.Tensor, ctx: StageContext, seg: Segment) -> torch.Tensor:
-        return torch.nonzero(x.abs() >= self.config.tau).reshape(-1)
+        if not self.adaptive:
+            return torch.nonzero(x.abs() >= self.config.tau).reshape(-1)
+        gen = sample_generator(ctx, seg)
+        ratio, sample = self.config.ratio, self.config.sample
+        if self.config.mode == "abs":
+            return sampled_topk(x.abs(), _kept(ratio, x.numel()), gen, sample)
+        # signed: the positive and the negative elements each keep about `ratio` of their own count
+        parts = []
+        for pos in (torch.nonzero(x > 0).reshape(-1), torch.nonzero(x < 0).reshape(-1)):
+            mag = x[pos].abs()
+            parts.append(pos[sampled_topk(mag, _kept(ratio, mag.numel()), gen, sample)])
+        return torch.cat(parts).sort().values
 
 
 @register

@@ -31,7 +31,6 @@ import datetime
 import json
 import os
 import re
-import shlex
 import signal
 import socket
 import subprocess
@@ -64,7 +63,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONNECTION = "fedcomp-deploy"
 RESERVED_PORTS = range(39091, 39094)  # someone else's SuperLink on this machine
 _ACTIVATED = re.compile(r"Activated node_id=(\d+)")
-_NODE_ID = re.compile(r"SuperNode ID: (\d+)")
+# Fleet RPCs as the SuperLink logs them at DEBUG; PullMessages logs two lines per call ("node_id=..."
+# and "Request: ..."), SendNodeHeartbeat only "Request: ...": count one line per call
+_RPC = re.compile(r"\[Fleet\.(\w+)\] (Request: )?")
 
 
 # --------------------------------------------------------------------------------- processes
@@ -160,12 +161,91 @@ def _signal_pids(pids: Sequence[int], sig: int) -> None:
             pass
 
 
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(")") + 2:].split()[1])
+
+
 def _alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
     return stat[stat.rfind(")") + 2:].split()[0] != "Z"
+
+
+def _set_subreaper(on: bool) -> bool:
+    """Make this process adopt orphaned descendants (Linux prctl PR_SET_CHILD_SUBREAPER).
+
+    Flower's SuperNode starts its SuperExec without waiting for it; when both are stopped the
+    SuperExec's exit status would be left to init. As a subreaper, this process adopts it and
+    :func:`stop_process` reaps it (by PID), so nothing is left behind, not even a zombie.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1 if on else 0, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER = 36
+    except (OSError, AttributeError):
+        return False
+
+
+def _reap(pids: Sequence[int]) -> None:
+    """Collect the exit status of the given PIDs where they became our children."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except (ChildProcessError, OSError):
+            pass
+
+
+_ADOPTABLE = ("flower-superexe", "flwr-clientapp", "flwr-serverapp")  # /proc comm (15 chars max)
+
+
+def _adopted() -> list[tuple[int, str]]:
+    """(pid, state) of Flower helper processes that are now children of this process.
+
+    As a subreaper (see :func:`_set_subreaper`) this process adopts the SuperExec of a
+    SuperNode that exited on its own (e.g. a refused one); these are its descendants by
+    construction, never processes started by anyone else.
+    """
+    me, out = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            comm = Path(f"/proc/{entry}/comm").read_text().strip()
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if int(fields[1]) == me and comm.startswith(_ADOPTABLE):
+            out.append((int(entry), fields[0]))
+    return out
+
+
+def reap_adopted(timeout: float = 5.0) -> None:
+    """Wait for adopted Flower helpers to exit (they watch their parent), SIGTERM them after
+    ``timeout``, SIGKILL after twice that, and collect their exit status."""
+    deadline = time.monotonic() + timeout
+    sig = None
+    while adopted := _adopted():
+        _reap([pid for pid, state in adopted if state == "Z"])
+        alive = [pid for pid, state in adopted if state != "Z"]
+        if not alive:
+            continue
+        if time.monotonic() > deadline + timeout:
+            sig = signal.SIGKILL
+        elif time.monotonic() > deadline:
+            sig = signal.SIGTERM
+        if sig is not None:
+            _signal_pids(alive, sig)
+        if time.monotonic() > deadline + 2 * timeout:
+            break
+        time.sleep(0.1)
 
 
 def stop_process(proc: Proc, timeout: float = 15.0) -> None:
@@ -176,6 +256,7 @@ def stop_process(proc: Proc, timeout: float = 15.0) -> None:
     """
     try:
         kids = descendants(proc.pid)
+        everyone = list(kids)
         try:
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -188,7 +269,9 @@ def stop_process(proc: Proc, timeout: float = 15.0) -> None:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(_alive(p) for p in kids):
             time.sleep(0.1)
-        kids = [p for p in kids if _alive(p)] + descendants(proc.pid)
+        late = descendants(proc.pid)
+        everyone += late
+        kids = [p for p in kids if _alive(p)] + late
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -198,6 +281,13 @@ def stop_process(proc: Proc, timeout: float = 15.0) -> None:
             proc.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        # adopted descendants (see _set_subreaper): reap them; others are reaped by their parents
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            _reap(everyone)
+            if not any(_ppid(p) == os.getpid() for p in everyone):
+                break
+            time.sleep(0.1)
     finally:
         if proc._log_file is not None:
             proc._log_file.close()
@@ -222,6 +312,19 @@ class Deployment:
     node_keys: list[NodeKey] = dataclasses.field(default_factory=list)
     supernodes: list[Proc] = dataclasses.field(default_factory=list)
     extra: list[Proc] = dataclasses.field(default_factory=list)  # e.g. an unregistered node
+
+    def log_offset(self) -> int:
+        """Current length of the SuperLink log (to count RPCs from here on, see :meth:`rpcs`)."""
+        return len(self.superlink.log())
+
+    def rpcs(self, start: int = 0, end: int | None = None) -> dict[str, int]:
+        """Fleet RPCs the SuperLink logged (needs ``count_rpcs``) in ``log[start:end]``, by name."""
+        counts: dict[str, int] = {}
+        for name, request_line in _RPC.findall(self.superlink.log()[start:end]):
+            if name == "PullMessages" and request_line:
+                continue
+            counts[name] = counts.get(name, 0) + 1
+        return dict(sorted(counts.items()))
 
     def activated_nodes(self) -> list[int]:
         """Node ids the SuperLink has activated so far (from its log)."""
@@ -260,8 +363,11 @@ def _wait_port(port: int, proc: Proc, timeout: float) -> None:
     raise RuntimeError(f"{proc.name} did not listen on 127.0.0.1:{port} within {timeout}s:\n{proc.log()[-3000:]}")
 
 
-def start_superlink(workdir: Path, tls: TlsFiles | None, auth: bool) -> tuple[Proc, int, int]:
-    """Start ``flower-superlink`` with its Fleet API and HTTP API on free loopback ports."""
+def start_superlink(workdir: Path, tls: TlsFiles | None, auth: bool, count_rpcs: bool = False) -> tuple[Proc, int, int]:
+    """Start ``flower-superlink`` with its Fleet API and HTTP API on free loopback ports.
+
+    ``count_rpcs`` runs it with ``FLWR_LOG_LEVEL=DEBUG``, so it logs every Fleet RPC.
+    """
     fleet_port, http_port, grpc_control_port = free_port(), free_port(), free_port()
     cmd = ["flower-superlink"]
     if tls is None:
@@ -280,7 +386,10 @@ def start_superlink(workdir: Path, tls: TlsFiles | None, auth: bool) -> tuple[Pr
     ]
     home = workdir / "superlink-home"
     home.mkdir(parents=True, exist_ok=True)
-    proc = _spawn("superlink", cmd, flower_env(home), workdir / "logs" / "superlink.log", workdir)
+    env = flower_env(home)
+    if count_rpcs:
+        env["FLWR_LOG_LEVEL"] = "DEBUG"
+    proc = _spawn("superlink", cmd, env, workdir / "logs" / "superlink.log", workdir)
     try:
         _wait_port(http_port, proc, 60)
         _wait_port(fleet_port, proc, 30)
@@ -357,6 +466,7 @@ def deployment(
     device: str | None = None,
     isolation: str = "subprocess",
     wait: bool = True,
+    count_rpcs: bool = True,
 ) -> Iterator[Deployment]:
     """SuperLink + relay + ``num_supernodes`` SuperNodes; everything is stopped on exit.
 
@@ -372,8 +482,9 @@ def deployment(
     _write_cli_config(cli_home, 0, tls_files)  # rewritten once the port is known
     superlink = relay = None
     dep: Deployment | None = None
+    subreaper = _set_subreaper(True)
     try:
-        superlink, fleet_port, http_port = start_superlink(workdir, tls_files, auth)
+        superlink, fleet_port, http_port = start_superlink(workdir, tls_files, auth, count_rpcs)
         _write_cli_config(cli_home, http_port, tls_files)
         relay = Relay("127.0.0.1", fleet_port).start()
         dep = Deployment(workdir=workdir, cli_env=flower_env(cli_home), superlink=superlink, relay=relay,
@@ -399,6 +510,9 @@ def deployment(
             relay.stop()
         if superlink is not None:
             stop_process(superlink)
+        if subreaper:
+            reap_adopted()
+            _set_subreaper(False)
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -407,10 +521,12 @@ def deployment(
 def measure_idle(dep: Deployment, seconds: float) -> dict[str, float]:
     """Relay bytes with every SuperNode connected and no run, per SuperNode per second."""
     n = max(len(dep.supernodes), 1)
-    before, t0 = dep.relay.counts(), time.monotonic()
+    before, h2_before, log0, t0 = dep.relay.counts(), dep.relay.http2_counts(), dep.log_offset(), time.monotonic()
     time.sleep(seconds)
     used, dt = dep.relay.counts() - before, time.monotonic() - t0
     return {
+        "rpcs": dep.rpcs(log0),
+        "http2": h2_delta(dep.relay.http2_counts(), h2_before),
         "seconds": dt,
         "supernodes": n,
         "client_to_server": used.client_to_server,
@@ -418,6 +534,11 @@ def measure_idle(dep: Deployment, seconds: float) -> dict[str, float]:
         "c2s_per_node_per_s": used.client_to_server / n / dt,
         "s2c_per_node_per_s": used.server_to_client / n / dt,
     }
+
+
+def h2_delta(after: dict, before: dict) -> dict[str, dict[str, int]]:
+    """Difference of two :meth:`Relay.http2_counts` snapshots."""
+    return {d: {k: after[d][k] - before[d].get(k, 0) for k in after[d]} for d in after}
 
 
 @dataclasses.dataclass
@@ -453,6 +574,9 @@ class RunResult:
     rounds: list[RoundWire]
     total: Counts  # relay bytes from just before `flwr run` to its end
     log: str
+    http2: dict = dataclasses.field(default_factory=dict)  # relay HTTP/2 breakdown over the run
+    rpcs: dict = dataclasses.field(default_factory=dict)  # Fleet RPCs the SuperLink logged in the run
+    clientapps: dict = dataclasses.field(default_factory=dict)  # ClientAppSampler.summary()
 
     @property
     def upload_bytes(self) -> int:
@@ -465,7 +589,62 @@ class RunResult:
     def as_dict(self) -> dict:
         return {"returncode": self.returncode, "seconds": self.seconds, "out_dir": str(self.out_dir),
                 "rounds": [r.as_dict() for r in self.rounds], "total": self.total.as_dict(),
-                "upload_bytes": self.upload_bytes}
+                "upload_bytes": self.upload_bytes, "http2": self.http2, "rpcs": self.rpcs,
+                "clientapps": self.clientapps}
+
+
+class ClientAppSampler:
+    """Watch the ClientApp processes the SuperNodes start (one per message), from /proc.
+
+    Records, per ``flwr-clientapp`` process below a SuperNode: when it was first and last seen
+    (every ``interval`` s) and its CPU time; the lifetime is process start + imports + training
+    + encoding + reply.
+    """
+
+    def __init__(self, dep: Deployment, interval: float = 0.2) -> None:
+        self.dep, self.interval = dep, interval
+        self.seen: dict[int, dict] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="clientapp-sampler", daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self) -> ClientAppSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            tree = _children()
+            for node in self.dep.supernodes:
+                todo = [node.pid]
+                while todo:
+                    for pid in tree.get(todo.pop(), []):
+                        todo.append(pid)
+                        try:
+                            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                            stat = Path(f"/proc/{pid}/stat").read_text()
+                        except OSError:
+                            continue
+                        if not comm.startswith("flwr-clientapp"):
+                            continue
+                        fields = stat[stat.rfind(")") + 2:].split()
+                        cpu = (int(fields[11]) + int(fields[12])) / self._tick
+                        entry = self.seen.setdefault(pid, {"node": node.name, "first": now, "last": now, "cpu": 0.0})
+                        entry["last"], entry["cpu"] = now, max(entry["cpu"], cpu)
+            self._stop.wait(self.interval)
+
+    def summary(self) -> dict:
+        lifetimes = [e["last"] - e["first"] for e in self.seen.values()]
+        cpus = [e["cpu"] for e in self.seen.values()]
+        if not lifetimes:
+            return {"processes": 0}
+        return {"processes": len(lifetimes), "lifetime_mean_s": sum(lifetimes) / len(lifetimes),
+                "lifetime_max_s": max(lifetimes), "cpu_mean_s": sum(cpus) / len(cpus)}
 
 
 def _read_results(path: Path) -> dict | None:
@@ -499,7 +678,9 @@ def run_app(
     log_path = out_dir / "flwr-run.log"
 
     snapshots: list[tuple[int, Counts, float]] = []  # (rounds seen, counts, time)
-    start_counts, t0 = dep.relay.counts(), time.monotonic()
+    start_counts, h2_start, log0 = dep.relay.counts(), dep.relay.http2_counts(), dep.log_offset()
+    t0 = time.monotonic()
+    sampler = ClientAppSampler(dep).__enter__()
     proc = _spawn("flwr-run", cmd, dep.cli_env, log_path, dep.workdir)
     seen = 0
     try:
@@ -518,6 +699,7 @@ def run_app(
             time.sleep(0.05)
         returncode = proc.popen.returncode
     finally:
+        sampler.__exit__()
         if proc.alive():
             stop_process(proc)
         else:
@@ -527,6 +709,8 @@ def run_app(
                 proc._log_file = None
     seconds = time.monotonic() - t0
     total = dep.relay.counts() - start_counts
+    http2 = h2_delta(dep.relay.http2_counts(), h2_start)
+    rpcs = dep.rpcs(log0)
     results = _read_results(results_path)
 
     rounds: list[RoundWire] = []
@@ -549,7 +733,8 @@ def run_app(
             ))
             prev_counts, prev_t = counts, t
     return RunResult(returncode=returncode, seconds=seconds, out_dir=out_dir, results=results,
-                     rounds=rounds, total=total, log=proc.log())
+                     rounds=rounds, total=total, log=proc.log(), http2=http2, rpcs=rpcs,
+                     clientapps=sampler.summary())
 
 
 def format_table(run: RunResult, idle: dict | None = None) -> str:
@@ -569,6 +754,10 @@ def format_table(run: RunResult, idle: dict | None = None) -> str:
     lines.append("-" * len(head))
     lines.append(f"run: {run.seconds:.1f} s, rc {run.returncode}; results.json upload {up:,} B; relay c2s in rounds "
                  f"{in_rounds:,} B, whole run {run.total.client_to_server:,} B (s2c {run.total.server_to_client:,} B)")
+    ca = run.clientapps
+    if ca.get("processes"):
+        lines.append(f"ClientApp processes: {ca['processes']} (one per message), alive {ca['lifetime_mean_s']:.1f} s "
+                     f"on average (max {ca['lifetime_max_s']:.1f} s), {ca['cpu_mean_s']:.1f} CPU s each")
     if run.rounds:
         clients = sum(r.clients for r in run.rounds)
         overhead = in_rounds - up
@@ -580,6 +769,33 @@ def format_table(run: RunResult, idle: dict | None = None) -> str:
                      f"~{(overhead - idle_part) / max(clients, 1):,.0f} B per reply")
         lines.append(line)
     return "\n".join(lines)
+
+
+def format_breakdown(http2: dict, rpcs: dict, content_bytes: int | None = None) -> str:
+    """Where the client->server bytes went: HTTP/2 framing, headers, gRPC bodies, vs the content."""
+    c = http2.get("client_to_server", {})
+    if not c:
+        return "(no HTTP/2 breakdown)"
+    total = sum(v for k, v in c.items() if k.endswith("_bytes"))
+    if c.get("opaque_bytes"):
+        return f"client->server {total:,} B are TLS records (opaque to the relay); no HTTP/2 breakdown"
+    n_rpc = sum(rpcs.values())
+    streams = c["streams"]
+    parts = [
+        f"client->server {total:,} B in {streams} gRPC calls (HTTP/2 streams; SuperLink logged {n_rpc} Fleet RPCs: "
+        + ", ".join(f"{k} {v}" for k, v in rpcs.items()) + ")",
+        f"  gRPC message bodies (protobuf requests) {c['grpc_body_bytes']:,} B"
+        + (f" = content (results.json) {content_bytes:,} B + protobuf/Flower envelope "
+           f"{c['grpc_body_bytes'] - content_bytes:,} B" if content_bytes is not None else ""),
+        f"  request headers (HPACK) {c['headers_bytes']:,} B = {c['headers_bytes'] / max(streams, 1):,.0f} B/call; "
+        f"HTTP/2 frame headers {c['frame_header_bytes']:,} B ({c['frames']:,} frames, 9 B each); "
+        f"gRPC length prefixes {c['grpc_prefix_bytes']:,} B ({c['grpc_messages']} x 5 B); "
+        f"control frames (SETTINGS/PING/WINDOW_UPDATE) {c['control_bytes']:,} B; preface {c['preface_bytes']} B",
+    ]
+    framing = total - c["grpc_body_bytes"]
+    parts.append(f"  => per call: {framing / max(streams, 1):,.0f} B of HTTP/2 + gRPC framing and headers, "
+                 f"{(c['grpc_body_bytes'] - (content_bytes or 0)) / max(streams, 1):,.0f} B of protobuf envelope")
+    return "\n".join(parts)
 
 
 # ---------------------------------------------------------------------------------------- CLI
@@ -610,6 +826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="measure Flower's idle traffic for this long before the runs (0: skip)")
     parser.add_argument("--timeout", type=float, default=1800, help="per-run timeout in seconds")
     parser.add_argument("--json", type=Path, default=None, help="also write all figures to this JSON file")
+    parser.add_argument("--app-dir", type=Path, default=ROOT, help=f"Flower app to run (default: {ROOT})")
     args = parser.parse_args(argv)
     if args.auth:
         args.tls = True
@@ -641,14 +858,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"idle ({idle['seconds']:.1f} s, {idle['supernodes']} SuperNodes, no run): "
                   f"c2s {idle['client_to_server']:,} B, s2c {idle['server_to_client']:,} B = "
                   f"{idle['c2s_per_node_per_s']:.1f} B/s c2s + {idle['s2c_per_node_per_s']:.1f} B/s s2c per SuperNode")
+            print(format_breakdown(idle["http2"], idle["rpcs"]))
 
         runs: list[RunResult] = []
         for k, extra in enumerate(configs):
             run_config = f"num-server-rounds={args.rounds} {extra}".strip()
             print(f"\nrun {k + 1}/{len(configs)}: --run-config \"{run_config}\"")
-            run = run_app(dep, run_config, out / f"run-{k + 1}", timeout=args.timeout)
+            run = run_app(dep, run_config, out / f"run-{k + 1}", timeout=args.timeout, app_dir=args.app_dir)
             runs.append(run)
             print(format_table(run, idle))
+            print(format_breakdown(run.http2, run.rpcs, run.upload_bytes if run.ok else None))
             report["runs"].append({"run_config": run_config, **run.as_dict()})
             if not run.ok:
                 print(f"run failed (rc {run.returncode}); last log lines:\n{run.log[-3000:]}")

@@ -15,6 +15,7 @@ from flwr.server import Grid
 from flwr.serverapp import ServerApp
 from flwr.serverapp.strategy import FedAvg
 
+import fedcomp
 from simulations import results, task
 from strategies.wrapper import CompressedStrategy
 
@@ -22,7 +23,7 @@ app = ServerApp()
 
 CONFIG_KEYS = (
     "num-server-rounds", "fraction-train", "model", "local-epochs", "lr", "batch-size", "seed",
-    "partition-alpha", "upload", "download", "error-feedback", "out-dir",
+    "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum",
 )
 
 
@@ -52,7 +53,16 @@ def validate_run_config(run_config) -> dict:
     _check(cfg, "upload", str, "a codec spec such as 'topk(ratio=0.01)+qsgd(bits=4)'", lambda v: True)
     _check(cfg, "download", str, "a codec spec such as 'none()'", lambda v: True)
     _check(cfg, "out-dir", str, "a directory path", lambda v: bool(v.strip()))
+    _check(cfg, "aggregation", str, "'auto', 'decode' or 'sketch'", lambda v: v in ("auto", "decode", "sketch"))
+    _check(cfg, "server-momentum", float, "a float in [0, 1)", lambda v: 0 <= v < 1)
     return cfg
+
+
+def _aggregation(cfg: dict) -> str:
+    """'auto' aggregates linear codecs (sketches) in compressed space (FetchSGD), others decoded."""
+    if cfg["aggregation"] != "auto":
+        return str(cfg["aggregation"])
+    return "sketch" if fedcomp.build_codec(str(cfg["upload"])).linear else "decode"
 
 
 @app.main()
@@ -70,6 +80,8 @@ def main(grid: Grid, context: Context) -> None:
         download=str(cfg["download"]),
         error_feedback=bool(cfg["error-feedback"]),
         seed=seed,
+        aggregation=_aggregation(cfg),
+        server_momentum=float(cfg["server-momentum"]),
     )
     rounds: list[dict] = []
     log(INFO, "fedcomp: results go to %s", out_dir / "results.json")

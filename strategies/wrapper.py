@@ -33,6 +33,13 @@ import fedcomp
 from fedcomp import protocol as P
 
 
+def _metric(content: RecordDict, key: str) -> float:
+    for record in content.metric_records.values():
+        if key in record:
+            return float(record[key])
+    raise fedcomp.FedcompError(f"reply has no metric {key!r} to weight its sketch by")
+
+
 def message_bytes(record) -> int:
     """Bytes Flower transmits for a record (RecordDict, ArrayRecord, ...) and everything in it."""
     return sum(len(obj.deflate()) for obj in get_all_nested_objects(record).values())
@@ -64,6 +71,17 @@ class CompressedStrategy(Strategy):
         Clients keep what compression dropped in a residual and send it later.
     seed : int (default: 0)
         Run seed; with the round and node id it seeds random-k indices and stochastic rounding.
+    aggregation : str (default: ``"decode"``)
+        ``"decode"``: decode every reply and let the inner strategy aggregate the models.
+        ``"sketch"``: FetchSGD (Rothchild et al. 2020), for linear upload codecs such as
+        ``sketch(...)``: the server sums the clients' sketches without decoding them (weighted
+        by ``num-examples``), keeps momentum and error accumulation in sketch space, applies the
+        top-k heavy hitters of the accumulated error, and zeroes momentum and error at the cells
+        those coordinates hash to. Clients keep no residual (error feedback is server side); the
+        inner strategy still samples clients, but its aggregation is not used; integer buffers
+        keep their broadcast values.
+    server_momentum : float (default: 0.0)
+        FetchSGD's momentum rho in sketch space (``aggregation="sketch"`` only).
     """
 
     def __init__(
@@ -73,11 +91,27 @@ class CompressedStrategy(Strategy):
         download: str = "none()",
         error_feedback: bool = True,
         seed: int = 0,
+        aggregation: str = "decode",
+        server_momentum: float = 0.0,
     ) -> None:
         self.inner = inner
         self.upload = fedcomp.build_codec(upload)  # fails here, before any round, on a bad spec
         self.download = fedcomp.build_codec(download)
-        if self.upload.needs_error_feedback and not error_feedback:
+        if aggregation not in ("decode", "sketch"):
+            raise fedcomp.SpecError(f"aggregation={aggregation!r} is invalid: aggregation must be 'decode' or 'sketch'")
+        if aggregation == "sketch" and not self.upload.linear:
+            raise fedcomp.SpecError(
+                f"aggregation='sketch' needs a linear upload codec such as 'sketch(rows=1, cols=4000)', got {upload!r}"
+            )
+        if not 0 <= server_momentum < 1:
+            raise fedcomp.SpecError(f"server_momentum={server_momentum!r} is invalid: it must be in [0, 1)")
+        self.aggregation = aggregation
+        self.server_momentum = server_momentum
+        self._momentum: list[torch.Tensor] | None = None  # FetchSGD S_u, per segment
+        self._error: list[torch.Tensor] | None = None  # FetchSGD S_e, per segment
+        if aggregation == "sketch":
+            error_feedback = False  # FetchSGD clients are stateless: the error lives on the server
+        if self.upload.needs_error_feedback and not error_feedback and aggregation == "decode":
             log(WARNING, "fedcomp: upload codec %s is biased; without error feedback it may not converge", upload)
         self.error_feedback = error_feedback
         self.seed = seed
@@ -86,8 +120,8 @@ class CompressedStrategy(Strategy):
         self._layout: fedcomp.Layout | None = None
 
     def summary(self) -> None:
-        log(INFO, "fedcomp: upload %s, download %s, error feedback %s", self.upload.spec, self.download.spec,
-            "on" if self.error_feedback else "off")
+        log(INFO, "fedcomp: upload %s, download %s, error feedback %s, aggregation %s", self.upload.spec,
+            self.download.spec, "on" if self.error_feedback else "off", self.aggregation)
         self.inner.summary()
 
     # -- training ---------------------------------------------------------------------------
@@ -131,6 +165,7 @@ class CompressedStrategy(Strategy):
         stats = self.rounds.setdefault(server_round, RoundStats())
         dense_model_bytes = message_bytes(ArrayRecord(self._base)) if self._base else 0
         decoded_replies = []
+        sketches = []  # (reply content, sketch values) for aggregation="sketch"
         for msg in replies:
             node = msg.metadata.src_node_id
             if msg.has_error():
@@ -141,7 +176,7 @@ class CompressedStrategy(Strategy):
             entry = {"node": node, "upload_bytes": wire, "status": "ok"}
             stats.upload_bytes += wire
             try:
-                content, other_bytes = self._decode_reply(msg.content)
+                content, other_bytes, values = self._decode_reply(msg.content)
             except (fedcomp.FedcompError, KeyError, TypeError) as exc:
                 entry["status"] = f"dropped: {exc}"
                 log(WARNING, "fedcomp: dropping reply of node %s in round %s: %s", node, server_round, exc)
@@ -151,10 +186,53 @@ class CompressedStrategy(Strategy):
             stats.clients.append(entry)
             msg.content = content
             decoded_replies.append(msg)
+            if values is not None:
+                sketches.append((content, values))
+        if self.aggregation == "sketch":
+            return self._aggregate_sketches(sketches)
         return self.inner.aggregate_train(server_round, decoded_replies)
 
-    def _decode_reply(self, content: RecordDict) -> tuple[RecordDict, int]:
-        """The reply as the inner strategy expects it, and the bytes of its non-model records."""
+    def _aggregate_sketches(
+        self, sketches: list[tuple[RecordDict, list[torch.Tensor]]]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """FetchSGD: sum sketches, momentum and error in sketch space, apply the heavy hitters."""
+        if not sketches or self._layout is None:
+            return None, None
+        key = getattr(self.inner, "weighted_by_key", "num-examples")
+        weights = [float(_metric(content, key)) for content, _ in sketches]
+        total = sum(weights) or 1.0
+        summed = None
+        for (_, values), w in zip(sketches, weights):
+            summed = [v * (w / total) for v in values] if summed is None else [
+                acc + v * (w / total) for acc, v in zip(summed, values)]
+        rho = self.server_momentum
+        if self._momentum is None or len(self._momentum) != len(summed):
+            self._momentum = [torch.zeros_like(v) for v in summed]
+            self._error = [torch.zeros_like(v) for v in summed]
+        reducer = self.upload.reducer
+        model = dict(self._base)
+        for j, ((seg, group), s_j) in enumerate(zip(self.upload.segments(self._layout), summed)):
+            self._momentum[j] = rho * self._momentum[j] + s_j
+            self._error[j] += self._momentum[j]
+            delta = reducer.heavy_hitters(self._error[j], seg.numel)
+            applied = reducer.sketch(delta) != 0
+            self._momentum[j][applied] = 0
+            self._error[j][applied] = 0
+            offset = 0
+            for i in group:
+                spec = self._layout.tensors[i]
+                part = delta[offset:offset + spec.numel].view(spec.shape)
+                model[spec.name] = (self._base[spec.name].float() + part).to(self._base[spec.name].dtype)
+                offset += spec.numel
+        metrics = None
+        aggr = getattr(self.inner, "train_metrics_aggr_fn", None)
+        if aggr is not None:
+            metrics = aggr([content for content, _ in sketches], key)
+        return ArrayRecord(model), metrics
+
+    def _decode_reply(self, content: RecordDict) -> tuple[RecordDict, int, list[torch.Tensor] | None]:
+        """The reply as the inner strategy expects it, the bytes of its non-model records, and
+        (sketch aggregation) the undecoded sketch values."""
         if P.UPLOAD_RECORD not in content.config_records:
             raise fedcomp.DecodeError(f"reply has no {P.UPLOAD_RECORD!r} record (is compression_mod installed on the client?)")
         if self._layout is None:
@@ -163,6 +241,13 @@ class CompressedStrategy(Strategy):
         payload = record[P.PAYLOAD]
         if not isinstance(payload, bytes):
             raise fedcomp.DecodeError(f"payload must be bytes, got {type(payload).__name__}")
+        if self.aggregation == "sketch":
+            values = self.upload.decode_values(payload, self._layout)
+            if not all(bool(torch.isfinite(v).all()) for v in values):
+                raise fedcomp.FedcompError("sketch has NaN or Inf values")
+            rest = RecordDict({k: v for k, v in content.items() if k != P.UPLOAD_RECORD})
+            other_bytes = message_bytes(rest)
+            return rest, other_bytes, values
         delta = self.upload.decode(payload, self._layout)
         for name, t in delta.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -173,7 +258,7 @@ class CompressedStrategy(Strategy):
         rest = RecordDict({k: v for k, v in content.items() if k != P.UPLOAD_RECORD})
         other_bytes = message_bytes(rest)
         rest[str(record[P.ARRAYS_KEY])] = ArrayRecord(model)
-        return rest, other_bytes
+        return rest, other_bytes, None
 
     # -- federated evaluation: passed through uncompressed (the project's app evaluates centrally) --
     def configure_evaluate(

@@ -53,10 +53,15 @@ DEFAULTS: dict[str, dict] = {
     "qsgd": {"bits": 4, "bucket": 512, "norm": "max"},
     "terngrad": {"clip": 2.5},
     "topk": {"ratio": 0.01, "scope": "global", "index": "rice"},
-    "threshold": {"tau": 1e-3, "scope": "global", "index": "rice"},
+    "threshold": {"tau": 1e-3, "ratio": 0.0, "mode": "abs", "sample": 0.01, "scope": "global", "index": "rice"},
     "randomk": {"ratio": 0.01, "scope": "global", "rescale": False},
+    "dgc": {"ratio": 0.001, "momentum": 0.9, "clip": 0.0, "warmup": 0, "sample": 0.01, "index": "rice"},
+    "powersgd": {"rank": 1, "min_compression": 2.0, "seed": 0},
+    "sketch": {"rows": 5, "cols": 1000, "ratio": 0.005, "seed": 0},
 }
-SELECTORS = {"topk", "threshold", "randomk"}
+SELECTORS = {"topk", "threshold", "randomk", "dgc"}
+DENSE_REDUCERS = {"powersgd", "sketch"}  # reducers that are not sparsifiers; own bounds in their test files
+REDUCERS = SELECTORS | DENSE_REDUCERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +84,17 @@ class Case:
         return self.stages[0][0] if self.stages[0][0] in SELECTORS else None
 
     @property
+    def reducer(self) -> str | None:
+        return self.stages[0][0] if self.stages[0][0] in REDUCERS else None
+
+    @property
     def quantizer(self) -> tuple[str, dict]:
         """(name, params) of the value coding, the selector's default one included."""
         last = self.stages[-1][0]
-        if last not in SELECTORS:
+        if last not in REDUCERS:
             return last, self.params(last)
+        if last in DENSE_REDUCERS:
+            return "none", {}
         if last == "threshold":  # alone, threshold sends signs that decode to +-tau
             return "fixed-sign", {"tau": self.params("threshold")["tau"]}
         return "none", {}
@@ -141,6 +152,22 @@ CASES = [
     C("randomk-tensor+twobit", ("randomk", {"ratio": 0.2, "scope": "tensor"}), ("twobit", {"threshold": 0.05})),
     C("threshold+qsgd8", ("threshold", {"tau": 0.05}), ("qsgd", {"bits": 8})),
     C("threshold-tensor+terngrad", ("threshold", {"tau": 0.02, "scope": "tensor"}), ("terngrad", {})),
+    C("threshold-adaptive", ("threshold", {"ratio": 0.05})),  # alone: +- mean |kept|
+    C("threshold-adaptive-signed-tensor-fixed", ("threshold", {"ratio": 0.1, "mode": "signed", "scope": "tensor", "index": "fixed"})),
+    C("threshold-adaptive+fp16", ("threshold", {"ratio": 0.05, "sample": 0.5}), ("fp16", {})),
+    C("dgc-default", ("dgc", {})),
+    C("dgc-r0.05", ("dgc", {"ratio": 0.05})),
+    C("dgc-fixed", ("dgc", {"ratio": 0.05, "index": "fixed"})),
+    C("dgc+qsgd4", ("dgc", {"ratio": 0.05}), ("qsgd", {"bits": 4, "bucket": 32})),
+    C("dgc-warmup+kbit4", ("dgc", {"ratio": 0.02, "warmup": 4, "momentum": 0.5}), ("kbit", {"bits": 4, "block": 16})),
+    C("powersgd-default", ("powersgd", {})),  # rank 1
+    C("powersgd-r1-mc6", ("powersgd", {"rank": 1, "min_compression": 6.0})),  # emb.weight (20x8) travels raw
+    C("powersgd-r2+fp16", ("powersgd", {"rank": 2}), ("fp16", {})),
+    C("powersgd-r4-all+qsgd8", ("powersgd", {"rank": 4, "min_compression": 0.0}), ("qsgd", {"bits": 8})),
+]
+CASES += [
+    C("sketch-r1", ("sketch", {"rows": 1, "cols": 64, "ratio": 0.05})),
+    C("sketch-r5+fp16", ("sketch", {"rows": 5, "cols": 32, "ratio": 0.02}), ("fp16", {})),
 ]
 BY_ID = {c.id: c for c in CASES}
 assert len(BY_ID) == len(CASES), "case ids must be unique"
@@ -248,7 +275,7 @@ def test_table_covers_every_registered_stage():
 def test_documented_defaults(name):
     assert name in fedcomp.available_codecs()
     codec = build_codec(name)
-    stage = codec.selector if name in SELECTORS else codec.quantizer
+    stage = codec.reducer if name in REDUCERS else codec.quantizer
     assert stage.name == name
     assert dataclasses.asdict(stage.config) == DEFAULTS[name]
 
@@ -256,11 +283,11 @@ def test_documented_defaults(name):
 @ALL
 def test_spec_is_parsed_as_the_table_means(case):
     codec = codec_of(case)
-    if case.selector:
-        assert codec.selector.name == case.selector
-        assert dataclasses.asdict(codec.selector.config) == case.params(case.selector)
+    if case.reducer:
+        assert codec.reducer.name == case.reducer
+        assert dataclasses.asdict(codec.reducer.config) == case.params(case.reducer)
     else:
-        assert codec.selector is None
+        assert codec.reducer is None
     q_name, q_params = case.quantizer
     assert codec.quantizer.name == q_name
     assert dataclasses.asdict(codec.quantizer.config) == q_params
@@ -272,7 +299,7 @@ def test_spec_is_parsed_as_the_table_means(case):
 def expected_unbiased(case: Case) -> bool:
     q_name, qp = case.quantizer
     q = q_name in ("none", "qsgd") or (q_name == "kbit" and qp["stochastic"]) or (q_name == "terngrad" and qp["clip"] == 0)
-    s = case.selector is None or (case.selector == "randomk" and case.params("randomk")["rescale"])
+    s = case.reducer is None or (case.selector == "randomk" and case.params("randomk")["rescale"])
     return bool(q and s)
 
 
@@ -571,6 +598,8 @@ def _segments(case: Case, tensors: dict[str, torch.Tensor], decoded: dict[str, t
 
 
 def check_codec_output(case: Case, tensors, decoded, nonce: int) -> None:
+    if case.reducer in DENSE_REDUCERS:
+        return  # no elementwise bound: tests/test_sketch.py and tests/test_powersgd.py check these
     mask_source = None
     if case.selector == "randomk":
         # random-k positions are drawn from the nonce; encode all-ones with random-k alone (no
@@ -978,6 +1007,9 @@ def test_every_u32_overwrite_with_valid_crc(case):
         "topk(ratio=0.05)+qsgd(bits=4)",
         "threshold(tau=0.05)",
         "threshold(tau=0.05, index='fixed')+fp16",
+        "threshold(ratio=0.05)",
+        "dgc(ratio=0.05)",
+        "dgc(ratio=0.05, index='fixed')+qsgd(bits=4)",
     ],
 )
 @pytest.mark.parametrize("claim", ["n+1", "2n", "2**31", "2**32-1"])
@@ -1262,7 +1294,7 @@ def test_spec_fuzz_raises_only_spec_error(text):
 
 
 # -- CUDA ----------------------------------------------------------------------------------------
-CUDA_CASES = ["none", "fp16", "sign-b128", "kbit4-sto", "qsgd4", "terngrad-clip0", "topk+qsgd4", "topk-tensor-fixed", "randomk-rescale+qsgd2", "threshold+fp16"]
+CUDA_CASES = ["none", "fp16", "sign-b128", "kbit4-sto", "qsgd4", "terngrad-clip0", "topk+qsgd4", "topk-tensor-fixed", "randomk-rescale+qsgd2", "threshold+fp16", "threshold-adaptive", "dgc+qsgd4"]
 
 
 @pytest.mark.cuda

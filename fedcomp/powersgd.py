@@ -1,0 +1,177 @@
+"""PowerSGD (Vogels, Karimireddy and Jaggi, 2019): rank-r factors of each weight matrix.
+
+Three layers, as in epfml/powersgd: the math (:func:`power_step`, :func:`reconstruct`, pure
+functions of tensors), the warm-start state around it (the client's ``Q`` per tensor, kept in
+``StageContext.state``), and the policy (which tensors are worth factorising, :func:`factor_shape`).
+Error feedback on the approximation error comes from :func:`fedcomp.compress`.
+
+Wire format, per float tensor (one segment each), all values coded by the pipeline quantizer and
+no side information (the path taken depends only on the shape and the config)::
+
+    factor path: n*r values of P_hat (n x r, row-major), then m*r values of Q (m x r, row-major)
+    raw path:    the tensor's numel values
+
+The decoder needs no state: ``P_hat @ Q^T`` is rebuilt from the decoded values alone, with a
+fixed summation order (rank-1 terms added one after another, no fused multiply-add) so that CPU
+and CUDA decode a payload to the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fedcomp.base import Reducer, Segment, StageContext, register
+from fedcomp.wire import Reader, Writer
+
+STATE_PREFIX = "powersgd.q/"  # client-state key of a tensor's warm-start Q: STATE_PREFIX + name
+
+
+def state_key(name: str) -> str:
+    """The ``state`` key under which the warm-start Q of tensor ``name`` is kept."""
+    return STATE_PREFIX + name
+
+
+# -- policy: which tensors travel as factors ------------------------------------------------------
+def factor_shape(shape: tuple[int, ...], rank: int, min_compression: float) -> tuple[int, int, int] | None:
+    """(n, m, r) when a tensor of ``shape`` travels as rank-r factors, else None (raw values).
+
+    The tensor is viewed as an n x m matrix (n = shape[0], m = numel / n); it is factorised iff
+    (n + m) r * min_compression <= n m, with r = min(rank, n, m). With min_compression >= 1 a rank
+    of min(n, m) or more never passes the rule ((n + m) min(n, m) > n m), so the clamp matters
+    only for min_compression < 1.
+    """
+    if len(shape) < 2:
+        return None
+    numel = math.prod(shape)
+    if numel == 0:
+        return None
+    n = shape[0]
+    m = numel // n
+    r = min(rank, n, m)
+    if (n + m) * r * min_compression <= n * m:
+        return n, m, r
+    return None
+
+
+# -- math ----------------------------------------------------------------------------------------
+def orthonormalize(p: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis (n x r) of the columns of one matrix ``p`` (n x r, r <= n).
+
+    Householder QR of this matrix alone: never normalised together with other matrices. A zero
+    or dependent column still gets a unit column orthogonal to the others, so the result is
+    always a basis and ``P_hat P_hat^T M`` a projection of M.
+    """
+    return torch.linalg.qr(p, mode="reduced").Q
+
+
+def power_step(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One subspace-iteration step: P_hat = orthonormalize(M Q), Q_new = M^T P_hat."""
+    p_hat = orthonormalize(m @ q)
+    return p_hat, m.t() @ p_hat
+
+
+def reconstruct(p_hat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """P_hat Q^T (n x m), summed rank-1 term by rank-1 term in order: the same bits on any device."""
+    y = p_hat[:, 0:1] * q[:, 0]
+    for k in range(1, p_hat.shape[1]):
+        y = y + p_hat[:, k:k + 1] * q[:, k]  # a product then a sum, each rounded: no FMA contraction
+    return y
+
+
+def cold_start(m: int, r: int, seed: int, name: str, device: torch.device) -> torch.Tensor:
+    """N(0, 1) Q (m x r) from a private CPU generator seeded by (seed, tensor name): device independent."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + zlib.crc32(name.encode())) & ((1 << 63) - 1)
+    gen = torch.Generator().manual_seed(mixed)
+    return torch.randn(m, r, generator=gen).to(device)
+
+
+# -- the reducer ---------------------------------------------------------------------------------
+@register
+class PowerSGD(Reducer):
+    """Rank-r approximation P_hat Q^T of each weight matrix, warm-started across rounds.
+
+    Per float tensor, viewed as an n x m matrix M (n = shape[0], m = numel / n):
+
+    1. If ``(n + m) r * min_compression > n m`` (r = min(rank, n, m)), or the tensor has fewer
+       than 2 dims, send its values raw (coded by the pipeline quantizer) and stop.
+    2. Q (m x r): the Q this client computed for the tensor last round (``state`` key
+       ``powersgd.q/<name>``: warm start), or N(0, 1) from a generator seeded by (seed, name).
+    3. P = M Q (n x r).
+    4. P_hat = orthonormalize(P): QR of this matrix alone.
+    5. Q = M^T P_hat (m x r); keep it in ``state`` for the next round.
+    6. Send P_hat and Q (n r + m r values); the decoder rebuilds M_hat = P_hat Q^T from them.
+
+    With error feedback (``fedcomp.compress``) the residual M - M_hat joins the next round's M,
+    and the warm start makes the rounds together a power iteration: the approximation of a
+    slowly changing M approaches the best rank-r one (truncated SVD).
+
+    Compression per factorised matrix is n m / (r (n + m)); biases, 0-d tensors and matrices
+    that fail the rule of step 1 travel at the quantizer's rate. Defaults: rank 1,
+    min_compression 2 (torch's ``powerSGD_hook`` rule, which uses a strict ``<``), seed 0.
+    The default quantizer is ``none`` (fp32); ``powersgd(rank=2)+fp16`` halves every value,
+    raw ones included. Not unbiased and not linear (products of factors do not add up to the
+    factors of a sum), so the codec needs error feedback and the server decodes each client.
+    """
+
+    name = "powersgd"
+    scope = "tensor"
+    unbiased = False
+    linear = False
+
+    @dataclass(frozen=True)
+    class Config:
+        rank: int = 1  # rank r of each approximation; clamped to min(n, m) per matrix
+        min_compression: float = 2.0  # factorise a matrix iff its factors are >= this many times smaller; 0: every matrix
+        seed: int = 0  # seeds the cold-start Q (with the tensor name); need not match between clients
+
+    def validate(self) -> None:
+        if self.config.rank < 1:
+            self.fail("rank", "a positive integer")
+        if not (math.isfinite(self.config.min_compression) and self.config.min_compression >= 0):
+            self.fail("min_compression", "a finite float >= 0 (torch's default is 2; 0 factorises every matrix)")
+        if self.config.seed < 0:
+            self.fail("seed", "a non-negative integer")
+
+    def factors(self, seg: Segment) -> tuple[int, int, int] | None:
+        """(n, m, r) when the segment's tensor travels as factors, else None."""
+        return factor_shape(seg.shapes[0], self.config.rank, self.config.min_compression)
+
+    def count(self, seg: Segment) -> int | None:
+        f = self.factors(seg)
+        return seg.numel if f is None else f[2] * (f[0] + f[1])
+
+    def side_nbytes(self, seg: Segment, count: int) -> int | None:
+        return 0
+
+    def reduce(self, x: torch.Tensor, seg: Segment, out: Writer, ctx: StageContext) -> tuple[torch.Tensor, Any, int]:
+        f = self.factors(seg)
+        if f is None:
+            return x, None, 0
+        n, m, r = f
+        mat = x.view(n, m)
+        key = state_key(seg.names[0])
+        q = ctx.state.get(key) if ctx.state is not None else None
+        if q is None or tuple(q.shape) != (m, r) or not bool(torch.isfinite(q).all()):
+            q = cold_start(m, r, self.config.seed, seg.names[0], x.device)
+        p_hat, q_new = power_step(mat, q.to(x.device, torch.float32))
+        if ctx.state is not None:
+            ctx.state[key] = q_new
+        return torch.cat([p_hat.reshape(-1), q_new.reshape(-1)]), None, 0
+
+    def read(self, src: Reader, seg: Segment, ctx: StageContext, device: torch.device) -> Any:
+        return None
+
+    def value_count(self, aux: Any, seg: Segment) -> int:
+        return self.count(seg)  # type: ignore[return-value]
+
+    def expand(self, values: torch.Tensor, aux: Any, seg: Segment) -> torch.Tensor:
+        f = self.factors(seg)
+        if f is None:
+            return values
+        n, m, r = f
+        return reconstruct(values[: n * r].view(n, r), values[n * r:].view(m, r)).reshape(-1)

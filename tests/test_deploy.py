@@ -1,0 +1,208 @@
+"""Flower's deployment engine on loopback: SuperLink + SuperNodes over gRPC, bytes measured on the wire.
+
+The slow tests start a SuperLink with its Fleet API behind a byte-counting relay
+(``simulations.relay``) and SuperNodes that connect through it (``simulations.deploy``), run
+``flwr run .`` and compare what the relay forwarded with what ``results.json`` reports. Every
+process is started in its own session and stopped by PID in ``finally`` (inside
+``simulations.deploy.deployment``). The fast tests check the relay, its HTTP/2 meter and the
+certificate script without Flower.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_ssh_private_key, load_ssh_public_key
+
+from simulations import deploy
+from simulations.certs import make_ca_and_server_cert, make_node_keys
+from simulations.relay import H2_FIELDS, Relay, _H2Meter
+
+COMPRESSED = "topk(ratio=0.01)+qsgd(bits=4)"
+ROUNDS = 3
+CLIENTS = 2
+
+# What the relay sees from SuperNodes beyond results.json's upload bytes (serialized content)
+# in one round, per client. Measured on this 2-core machine (simulations/DEPLOY.md): 5.8-7.5 KB
+# per reply for the round's RPCs (PullMessages, PullObject per object, ConfirmMessageReceived,
+# PushMessages, PushObject per object; round 1 also GetRun and GetFab), each carrying ~510 B of
+# HTTP/2 request headers plus framing and protobuf envelope, and ~180 B/s of idle polling
+# (one PullMessages every 3 s, a heartbeat every ~20 s) while the round lasts. The bound allows
+# more than twice both, and does not depend on the payload: the dense run's overhead is the same.
+OVERHEAD_PER_REPLY = 16_000  # bytes per client per round
+POLLING_PER_SECOND = 400  # bytes per client per second of the round
+
+
+# --------------------------------------------------------------------------- fast: relay, certs
+
+
+def _echo_server():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data[: len(data) // 2 + 1])
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+def test_relay_counts_both_directions_exactly():
+    srv = _echo_server()
+    try:
+        with Relay("127.0.0.1", srv.getsockname()[1]) as relay:
+            assert relay.address.startswith("127.0.0.1:")
+            with socket.create_connection(("127.0.0.1", relay.port)) as s:
+                s.sendall(b"x" * 3_000_000)
+                s.shutdown(socket.SHUT_WR)
+                got = 0
+                while data := s.recv(65536):
+                    got += len(data)
+            counts = relay.counts()
+            assert counts.client_to_server == 3_000_000
+            assert counts.server_to_client == got > 0
+            assert counts.connections == 1
+            # not HTTP/2: everything is counted as opaque
+            h2 = relay.http2_counts()
+            assert h2["client_to_server"]["opaque_bytes"] == 3_000_000
+    finally:
+        srv.close()
+
+
+def _frame(ftype: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([ftype, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def test_http2_meter_splits_frames_headers_and_grpc_messages():
+    stats = dict.fromkeys(H2_FIELDS, 0)
+    meter = _H2Meter(stats, client_side=True)
+    body1, body2 = b"a" * 20_000, b"b" * 7
+    grpc = b"\x00" + len(body1).to_bytes(4, "big") + body1 + b"\x00" + len(body2).to_bytes(4, "big") + body2
+    stream = (
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+        + _frame(4, 0, 0, b"\x00\x03\x00\x00\x00\x64")  # SETTINGS
+        + _frame(1, 4, 1, b"h" * 50)  # HEADERS
+        + _frame(0, 0, 1, grpc[:16_384])  # DATA, the first message split over two frames
+        + _frame(0, 0x8, 1, bytes([3]) + grpc[16_384:] + b"\x00" * 3)  # DATA, padded
+        + _frame(8, 0, 0, b"\x00\x00\x10\x00")  # WINDOW_UPDATE
+        + _frame(1, 5, 3, b"h" * 10)  # second call
+    )
+    for i in range(0, len(stream), 1000):  # arbitrary chunking
+        meter.feed(stream[i:i + 1000])
+    assert stats["preface_bytes"] == 24
+    assert stats["frames"] == 6 and stats["frame_header_bytes"] == 54
+    assert stats["headers_bytes"] == 60 and stats["streams"] == 2
+    assert stats["grpc_messages"] == 2 and stats["grpc_prefix_bytes"] == 10
+    assert stats["grpc_body_bytes"] == len(body1) + len(body2)
+    assert stats["padding_bytes"] == 4 and stats["control_bytes"] == 10
+    assert sum(v for k, v in stats.items() if k.endswith("_bytes")) == len(stream)
+
+
+def test_certs_and_node_keys(tmp_path):
+    tls = make_ca_and_server_cert(tmp_path, hosts=["superlink.example.org", "10.1.2.3"])
+    ca = x509.load_pem_x509_certificate(tls.ca_cert.read_bytes())
+    cert = x509.load_pem_x509_certificate(tls.server_cert.read_bytes())
+    assert cert.issuer == ca.subject
+    ca.public_key().verify(cert.signature, cert.tbs_certificate_bytes, ec.ECDSA(cert.signature_hash_algorithm))
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"localhost", "superlink.example.org"} <= set(san.get_values_for_type(x509.DNSName))
+    assert {"127.0.0.1", "10.1.2.3"} <= {str(ip) for ip in san.get_values_for_type(x509.IPAddress)}
+    assert isinstance(load_pem_private_key(tls.server_key.read_bytes(), None), ec.EllipticCurvePrivateKey)
+    assert tls.server_key.stat().st_mode & 0o077 == 0
+    (key,) = make_node_keys(tmp_path / "keys", ["node-a"])
+    private = load_ssh_private_key(key.private_key.read_bytes(), None)
+    public = load_ssh_public_key(key.public_key.read_bytes())
+    assert isinstance(private, ec.EllipticCurvePrivateKey) and private.curve.name == "secp384r1"
+    assert private.public_key().public_numbers() == public.public_numbers()
+
+
+# ------------------------------------------------------------------- slow: SuperLink + SuperNodes
+
+
+def _check_run(run: deploy.RunResult, rounds: int) -> None:
+    assert run.ok, run.log[-4000:]
+    assert [r["round"] for r in run.results["rounds"]] == list(range(1, rounds + 1))
+    for r in run.results["rounds"]:
+        assert len(r["clients"]) == CLIENTS and all(c["status"] == "ok" for c in r["clients"]), r["clients"]
+    # every round was seen on its own (a relay snapshot per round)
+    assert [r.round for r in run.rounds] == list(range(1, rounds + 1))
+
+
+@pytest.mark.slow
+def test_insecure_deployment_compressed_vs_dense(tmp_path):
+    with deploy.deployment(tmp_path / "deploy", CLIENTS) as dep:
+        assert len(set(dep.activated_nodes())) == CLIENTS
+        common = f"num-server-rounds={ROUNDS} model='mlp-large'"
+        compressed = deploy.run_app(dep, f"{common} upload='{COMPRESSED}'", tmp_path / "compressed", timeout=300)
+        _check_run(compressed, ROUNDS)
+        dense = deploy.run_app(dep, f"{common} upload='none()'", tmp_path / "dense", timeout=300)
+        _check_run(dense, ROUNDS)
+    print("\n" + deploy.format_table(compressed) + "\n" + deploy.format_breakdown(
+        compressed.http2, compressed.rpcs, compressed.upload_bytes))
+    print(deploy.format_table(dense) + "\n" + deploy.format_breakdown(dense.http2, dense.rpcs, dense.upload_bytes))
+
+    # The 50x: what really crossed the wire from the SuperNodes, whole runs.
+    ratio = dense.total.client_to_server / compressed.total.client_to_server
+    assert ratio >= 50, (dense.total, compressed.total)
+
+    # Relay bytes vs results.json, round by round: the wire carries the content plus a fixed
+    # overhead (see OVERHEAD_PER_REPLY), the same for a 35 KB and a 8.7 MB reply.
+    for run in (compressed, dense):
+        for r in run.rounds:
+            assert r.clients == CLIENTS
+            budget = CLIENTS * (OVERHEAD_PER_REPLY + POLLING_PER_SECOND * r.seconds)
+            assert 0 < r.overhead <= budget, (r, budget)
+            assert r.relay.server_to_client >= r.download_bytes  # the broadcasts crossed the relay too
+
+    # The HTTP/2 breakdown adds up, and the gRPC bodies hold the content.
+    for run in (compressed, dense):
+        c2s = run.http2["client_to_server"]
+        assert c2s["opaque_bytes"] == 0
+        assert sum(v for k, v in c2s.items() if k.endswith("_bytes")) == run.total.client_to_server
+        assert c2s["grpc_body_bytes"] >= run.upload_bytes
+        assert run.rpcs.get("PushMessages", 0) == ROUNDS * CLIENTS
+        # one HTTP/2 stream per Fleet RPC (a call in flight at either end of the window may
+        # be counted on one side only)
+        assert abs(c2s["streams"] - sum(run.rpcs.values())) <= 2 * CLIENTS, (c2s["streams"], run.rpcs)
+
+
+@pytest.mark.slow
+def test_tls_and_supernode_auth(tmp_path):
+    with deploy.deployment(tmp_path / "deploy", CLIENTS, tls=True, auth=True) as dep:
+        registered = {int(n["node-id"]) for n in _nodes(dep)}
+        assert len(registered) == CLIENTS
+        assert set(dep.activated_nodes()) == registered
+
+        # A SuperNode whose key was never registered: started next to the run, refused.
+        (intruder_key,) = make_node_keys(tmp_path / "intruder", ["intruder"])
+        intruder = deploy.start_supernode(dep, 0, 1, key=intruder_key, name="intruder", max_retries=2)
+        dep.extra.append(intruder)  # stopped with the deployment if still alive
+
+        run = deploy.run_app(dep, "num-server-rounds=1", tmp_path / "run", timeout=300)
+        _check_run(run, 1)
+        assert {c["node"] for c in run.results["rounds"][0]["clients"]} == registered
+
+        code = intruder.popen.wait(timeout=60)
+        assert code != 0, intruder.log()[-2000:]
+        assert "Failed to activate SuperNode" in intruder.log()
+        assert set(dep.activated_nodes()) == registered  # the SuperLink never activated it
+        assert "No SuperNode found with the given public key" in dep.superlink.log()
+        assert {int(n["node-id"]) for n in _nodes(dep)} == registered
+
+        # TLS on the wire: the relay saw no cleartext HTTP/2
+        h2 = run.http2["client_to_server"]
+        assert h2["preface_bytes"] == 0 and h2["opaque_bytes"] == run.total.client_to_server > 0
+
+
+def _nodes(dep: deploy.Deployment) -> list[dict]:
+    out = dep.flwr("supernode", "list", deploy.CONNECTION, "--format", "json").stdout
+    return json.loads(out[out.index("{"):])["nodes"]
