@@ -41,7 +41,9 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     cfg = msg.content.config_records[P.DOWNLOAD_RECORD]
     try:
         layout = fedcomp.Layout.from_json(str(cfg[P.LAYOUT]))
-        received = fedcomp.build_codec(str(cfg[P.DOWNLOAD_SPEC])).decode(bytes(cfg[P.PAYLOAD]), layout)
+        received = fedcomp.build_codec(str(cfg[P.DOWNLOAD_SPEC])).decode(
+            bytes(cfg[P.PAYLOAD]), layout, round=int(cfg[P.ROUND])
+        )
         upload = fedcomp.build_codec(str(cfg[P.UPLOAD_SPEC]))
     except fedcomp.FedcompError as exc:
         raise RuntimeError(f"fedcomp could not read the broadcast: {exc}") from exc

@@ -134,7 +134,7 @@ class CompressedStrategy(Strategy):
             return messages
         model = dict(arrays.to_torch_state_dict())
         self._layout = fedcomp.Layout.of(model)
-        broadcast = self.download.encode(model, nonce=fedcomp.derive_nonce(self.seed, server_round, 0))
+        broadcast = self.download.encode(model, nonce=fedcomp.derive_nonce(self.seed, server_round, 0), round=server_round)
         self._base = broadcast.decoded
         out = []
         for msg in messages:
@@ -176,7 +176,7 @@ class CompressedStrategy(Strategy):
             entry = {"node": node, "upload_bytes": wire, "status": "ok"}
             stats.upload_bytes += wire
             try:
-                content, other_bytes, values = self._decode_reply(msg.content)
+                content, other_bytes, values = self._decode_reply(msg.content, server_round)
             except (fedcomp.FedcompError, KeyError, TypeError) as exc:
                 entry["status"] = f"dropped: {exc}"
                 log(WARNING, "fedcomp: dropping reply of node %s in round %s: %s", node, server_round, exc)
@@ -230,7 +230,7 @@ class CompressedStrategy(Strategy):
             metrics = aggr([content for content, _ in sketches], key)
         return ArrayRecord(model), metrics
 
-    def _decode_reply(self, content: RecordDict) -> tuple[RecordDict, int, list[torch.Tensor] | None]:
+    def _decode_reply(self, content: RecordDict, server_round: int) -> tuple[RecordDict, int, list[torch.Tensor] | None]:
         """The reply as the inner strategy expects it, the bytes of its non-model records, and
         (sketch aggregation) the undecoded sketch values."""
         if P.UPLOAD_RECORD not in content.config_records:
@@ -248,7 +248,7 @@ class CompressedStrategy(Strategy):
             rest = RecordDict({k: v for k, v in content.items() if k != P.UPLOAD_RECORD})
             other_bytes = message_bytes(rest)
             return rest, other_bytes, values
-        delta = self.upload.decode(payload, self._layout)
+        delta = self.upload.decode(payload, self._layout, round=server_round)
         for name, t in delta.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise fedcomp.FedcompError(f"update of {name!r} has NaN or Inf values")
