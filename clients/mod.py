@@ -70,6 +70,17 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     residual = _torch_dict(context.state.array_records[P.RESIDUAL_STATE]) if (
         use_ef and P.RESIDUAL_STATE in context.state.array_records
     ) else None
+    # delta coding: encode update - beta * (what the server reconstructed from our last reply),
+    # only when the server holds that same reference (else send the plain update: a resync)
+    beta = float(cfg.get(P.DELTA, 0.0))
+    ref = 0
+    last_sent: dict[str, torch.Tensor] = {}
+    if beta > 0 and P.LAST_SENT_STATE in context.state.array_records:
+        last_round = int(context.state.config_records[P.LAST_ROUND_STATE]["round"])
+        if last_round != 0 and last_round == int(cfg.get(P.DELTA_REF, 0)):
+            ref = last_round
+            last_sent = {k: v.to(device) for k, v in _torch_dict(context.state.array_records[P.LAST_SENT_STATE]).items()}
+            delta = {k: v - beta * last_sent[k] if k in last_sent else v for k, v in delta.items()}
     state = _torch_dict(context.state.array_records[P.CODEC_STATE]) if P.CODEC_STATE in context.state.array_records else {}
     state = {k: v.to(device) for k, v in state.items()}
     server_round = int(cfg[P.ROUND])
@@ -82,7 +93,13 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     if state:
         context.state[P.CODEC_STATE] = ArrayRecord({k: v.cpu() for k, v in state.items()})
 
+    if beta > 0:
+        sent = {k: v + beta * last_sent[k] if k in last_sent else v
+                for k, v in encoded.decoded.items() if v.is_floating_point()}
+        context.state[P.LAST_SENT_STATE] = ArrayRecord({k: v.cpu() for k, v in sent.items()})
+        context.state[P.LAST_ROUND_STATE] = ConfigRecord({"round": server_round})
+
     content = RecordDict({k: v for k, v in reply.content.items() if k != array_keys[0]})
-    content[P.UPLOAD_RECORD] = ConfigRecord({P.PAYLOAD: encoded.payload, P.ARRAYS_KEY: array_keys[0]})
+    content[P.UPLOAD_RECORD] = ConfigRecord({P.PAYLOAD: encoded.payload, P.ARRAYS_KEY: array_keys[0], P.DELTA_REF: ref})
     reply.content = content
     return reply

@@ -82,6 +82,14 @@ class CompressedStrategy(Strategy):
         keep their broadcast values.
     server_momentum : float (default: 0.0)
         FetchSGD's momentum rho in sketch space (``aggregation="sketch"`` only).
+    delta : float (default: 0.0)
+        Delta coding of uploads: a client encodes ``update - delta * previous`` where
+        ``previous`` is the update the server reconstructed from that client's last reply, and
+        the server adds ``delta * previous`` back. Consecutive updates of a client correlate
+        (digits: cosine 0.4-0.8), so the coded vector is smaller. Client and server check that
+        they hold the same reference (its round); a client whose reply was dropped, or that sat
+        out, sends a plain update and both sides start over. Costs one dense update per client
+        on the server. 0 turns it off.
     """
 
     def __init__(
@@ -93,6 +101,7 @@ class CompressedStrategy(Strategy):
         seed: int = 0,
         aggregation: str = "decode",
         server_momentum: float = 0.0,
+        delta: float = 0.0,
     ) -> None:
         self.inner = inner
         self.upload = fedcomp.build_codec(upload)  # fails here, before any round, on a bad spec
@@ -105,6 +114,12 @@ class CompressedStrategy(Strategy):
             )
         if not 0 <= server_momentum < 1:
             raise fedcomp.SpecError(f"server_momentum={server_momentum!r} is invalid: it must be in [0, 1)")
+        if not 0 <= delta <= 1:
+            raise fedcomp.SpecError(f"delta={delta!r} is invalid: delta must be in [0, 1] (0 turns delta coding off)")
+        if delta and aggregation == "sketch":
+            raise fedcomp.SpecError("delta coding needs per-client decoding; it does not combine with aggregation='sketch'")
+        self.delta = delta
+        self._last: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # node -> (round, its last update)
         self.aggregation = aggregation
         self.server_momentum = server_momentum
         self._momentum: list[torch.Tensor] | None = None  # FetchSGD S_u, per segment
@@ -152,6 +167,8 @@ class CompressedStrategy(Strategy):
                 P.SEED: self.seed,
                 P.ROUND: server_round,
                 P.ARRAYS_KEY: array_keys[0],
+                P.DELTA: self.delta,
+                P.DELTA_REF: self._last.get(msg.metadata.dst_node_id, (0, None))[0] if self.delta else 0,
             })
             stats.download_bytes += message_bytes(content)
             stats.download_bytes_dense += dense_bytes
@@ -176,7 +193,7 @@ class CompressedStrategy(Strategy):
             entry = {"node": node, "upload_bytes": wire, "status": "ok"}
             stats.upload_bytes += wire
             try:
-                content, other_bytes, values = self._decode_reply(msg.content, server_round)
+                content, other_bytes, values = self._decode_reply(msg.content, server_round, node)
             except (fedcomp.FedcompError, KeyError, TypeError) as exc:
                 entry["status"] = f"dropped: {exc}"
                 log(WARNING, "fedcomp: dropping reply of node %s in round %s: %s", node, server_round, exc)
@@ -230,7 +247,9 @@ class CompressedStrategy(Strategy):
             metrics = aggr([content for content, _ in sketches], key)
         return ArrayRecord(model), metrics
 
-    def _decode_reply(self, content: RecordDict, server_round: int) -> tuple[RecordDict, int, list[torch.Tensor] | None]:
+    def _decode_reply(
+        self, content: RecordDict, server_round: int, node: int
+    ) -> tuple[RecordDict, int, list[torch.Tensor] | None]:
         """The reply as the inner strategy expects it, the bytes of its non-model records, and
         (sketch aggregation) the undecoded sketch values."""
         if P.UPLOAD_RECORD not in content.config_records:
@@ -252,6 +271,16 @@ class CompressedStrategy(Strategy):
         for name, t in delta.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise fedcomp.FedcompError(f"update of {name!r} has NaN or Inf values")
+        if self.delta:
+            ref = int(record.get(P.DELTA_REF, 0))
+            if ref:
+                held = self._last.get(node)
+                if held is None or held[0] != ref:
+                    raise fedcomp.FedcompError(
+                        f"delta against round {ref}, but the server holds round {held[0] if held else 'none'} for this node"
+                    )
+                delta = {k: v + self.delta * held[1][k] if k in held[1] else v for k, v in delta.items()}
+            self._last[node] = (server_round, {k: v for k, v in delta.items() if v.is_floating_point()})
         model = {name: (self._base[name].float() + delta[name].float()).to(self._base[name].dtype)
                  if self._base[name].is_floating_point() else self._base[name] + delta[name]
                  for name in self._layout.names}
