@@ -23,7 +23,7 @@ app = ServerApp()
 
 CONFIG_KEYS = (
     "num-server-rounds", "fraction-train", "model", "local-epochs", "lr", "batch-size", "seed",
-    "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum",
+    "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum", "delta",
 )
 
 
@@ -55,6 +55,7 @@ def validate_run_config(run_config) -> dict:
     _check(cfg, "out-dir", str, "a directory path", lambda v: bool(v.strip()))
     _check(cfg, "aggregation", str, "'auto', 'decode' or 'sketch'", lambda v: v in ("auto", "decode", "sketch"))
     _check(cfg, "server-momentum", float, "a float in [0, 1)", lambda v: 0 <= v < 1)
+    _check(cfg, "delta", float, "a float in [0, 1] (0: off)", lambda v: 0 <= v <= 1)
     return cfg
 
 
@@ -82,6 +83,7 @@ def main(grid: Grid, context: Context) -> None:
         seed=seed,
         aggregation=_aggregation(cfg),
         server_momentum=float(cfg["server-momentum"]),
+        delta=float(cfg["delta"]),
     )
     rounds: list[dict] = []
     log(INFO, "fedcomp: results go to %s", out_dir / "results.json")
