@@ -265,8 +265,8 @@ class CompressedStrategy(Strategy):
             if not all(bool(torch.isfinite(v).all()) for v in values):
                 raise fedcomp.FedcompError("sketch has NaN or Inf values")
             rest = RecordDict({k: v for k, v in content.items() if k != P.UPLOAD_RECORD})
-            other_bytes = message_bytes(rest)
-            return rest, other_bytes, values
+            _metric(rest, getattr(self.inner, "weighted_by_key", "num-examples"))  # weight must exist
+            return rest, message_bytes(rest), values
         delta = self.upload.decode(payload, self._layout, round=server_round)
         for name, t in delta.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
