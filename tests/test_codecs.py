@@ -95,8 +95,9 @@ class Case:
             return last, self.params(last)
         if last in DENSE_REDUCERS:
             return "none", {}
-        if last == "threshold":  # alone, threshold sends signs that decode to +-tau
-            return "fixed-sign", {"tau": self.params("threshold")["tau"]}
+        if last == "threshold":  # alone: signs decoding to +-tau (static) or to +- mean |kept| (adaptive)
+            p = self.params("threshold")
+            return ("sign", {"block": 0}) if p["ratio"] > 0 else ("fixed-sign", {"tau": p["tau"]})
         return "none", {}
 
 
@@ -589,7 +590,7 @@ def _segments(case: Case, tensors: dict[str, torch.Tensor], decoded: dict[str, t
     """(names, x, y, half) per segment as the codec cuts them: one per float tensor, or one over
     all float tensors in layout order for a global selector."""
     floats = [n for n, t in tensors.items() if t.is_floating_point()]
-    glob = case.selector is not None and case.params(case.selector)["scope"] == "global"
+    glob = case.selector is not None and case.params(case.selector).get("scope", "global") == "global"  # dgc: global only
     for names in ([floats] if glob else [[n] for n in floats]):
         x = torch.cat([tensors[n].reshape(-1).float() for n in names])
         y = torch.cat([decoded[n].reshape(-1).float() for n in names])
@@ -620,6 +621,20 @@ def check_codec_output(case: Case, tensors, decoded, nonce: int) -> None:
                 mask[torch.topk(x.abs(), k).indices] = True
                 if 0 < k < n:  # the kept set is the k largest magnitudes
                     assert float(x.abs()[mask].min()) >= float(x.abs()[~mask].max())
+            elif case.selector == "dgc" or (case.selector == "threshold" and p["ratio"] > 0):
+                # sampled top-k: the kept set (from the selector's encode with exact values) holds
+                # no zeros and is a top set of |x| (per sign in signed mode) of k = ceil(ratio * count)
+                # elements, or of 0.8k..1.3k; all the nonzero ones where at most k are nonzero
+                exact = build_codec(Case("", case.stages[:1]).spec + "+none()").encode(tensors, nonce=nonce).decoded
+                mask = torch.cat([exact[m].reshape(-1).float() != 0 for m in names])
+                signed = case.selector == "threshold" and p["mode"] == "signed"
+                for side in ([x > 0, x < 0] if signed else [torch.ones(n, dtype=torch.bool)]):
+                    kept, rest = mask & side, ~mask & side
+                    c, nnz, k = int(kept.sum()), int((x[side] != 0).sum()), math.ceil(p["ratio"] * int(side.sum()))
+                    assert c == nnz if nnz <= k else (c == k or math.ceil(0.8 * k) <= c <= math.floor(1.3 * k)), (c, k, nnz)
+                    assert bool((x[kept] != 0).all())
+                    if c and bool(rest.any()):
+                        assert float(x.abs()[kept].min()) >= float(x.abs()[rest].max())
             elif case.selector == "threshold":
                 mask = x.abs() >= p["tau"]
             else:
@@ -640,7 +655,7 @@ def test_error_within_stated_bound(case, kind):
     check_codec_output(case, tensors, enc.decoded, nonce=0)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.selector == "threshold"], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [c for c in CASES if c.selector == "threshold" and c.params("threshold")["ratio"] == 0], ids=lambda c: c.id)
 def test_threshold_sends_exactly_the_elements_at_or_above_tau(case):
     tau = case.params("threshold")["tau"]
     tensors = model(8)
@@ -734,7 +749,7 @@ def test_unbiasedness_check_detects_a_biased_codec():
 
 # -- sizes -------------------------------------------------------------------------------------
 def data_dependent_size(case: Case) -> bool:
-    return case.selector == "threshold" or (case.selector == "topk" and case.params("topk")["index"] == "rice")
+    return case.selector in ("threshold", "dgc") or (case.selector == "topk" and case.params("topk")["index"] == "rice")
 
 
 @ALL

@@ -74,6 +74,8 @@ def test_threshold_rule_accepts_a_threshold_passing_between_0_8k_and_1_3k():
     # 131 pass: more than 1.3k, so exactly the top 100; 79 pass: lowered by 0.8 (922 * 0.8: 263 pass, exact top 100)
     for passing in (131, 79):
         assert topk_from_threshold(mag, k, torch.tensor(float(1001 - passing))).tolist() == list(range(900, 1000))
+    # none pass at 1100.625; lowered once to 880.5, 120 pass: accepted (not the exact top 100)
+    assert topk_from_threshold(mag, k, torch.tensor(1100.625)).tolist() == list(range(880, 1000))
 
 
 def test_sampled_topk_is_exact_whenever_its_first_threshold_overshoots():
@@ -81,7 +83,7 @@ def test_sampled_topk_is_exact_whenever_its_first_threshold_overshoots():
     passing means the exact path, so the result must be the true top-k."""
     n, k = 50_000, 50
     exact_runs = 0
-    for seed in range(40):
+    for seed in range(30):
         mag = separated(n, k, seed)
         thr = sampled_threshold(mag, k, gen(seed), 0.01)
         idx = sampled_topk(mag, k, gen(seed), 0.01)
@@ -90,7 +92,7 @@ def test_sampled_topk_is_exact_whenever_its_first_threshold_overshoots():
             assert set(idx.tolist()) == true_topk(mag, k), seed
         assert_top_set(mag, idx)
         assert_count(idx.numel(), k)
-    assert exact_runs >= 10  # the exact path was exercised
+    assert exact_runs >= 8  # the exact path was exercised (about 3 runs in 4)
 
 
 def _magnitudes(kind: str, n: int, seed: int) -> torch.Tensor:
@@ -127,6 +129,10 @@ def test_sampled_topk_keeps_no_zeros():
     mag[[3, 500, 9_999]] = torch.tensor([1.0, 2.0, 0.5])
     assert sampled_topk(mag, 100, gen(0)).tolist() == [3, 500, 9_999]
     assert sampled_topk(torch.zeros(5000), 10, gen(0)).numel() == 0
+    # a zero threshold estimate (the sample held too few nonzeros) passes only the nonzero entries
+    dense = torch.rand(2000, generator=gen(1)) + 0.5
+    dense[torch.randperm(2000, generator=gen(2))[:190]] = 0
+    assert topk_from_threshold(dense, 1800, torch.tensor(0.0)).tolist() == torch.nonzero(dense).reshape(-1).tolist()
     assert sampled_topk(mag, 0, gen(0)).numel() == 0
 
 
@@ -154,11 +160,11 @@ def test_selection_is_seeded_by_the_nonce():
 # -- adaptive threshold ---------------------------------------------------------------------
 @pytest.mark.parametrize("ratio", [0.001, 0.01, 0.1])
 def test_adaptive_threshold_keeps_about_ratio_on_gaussian_data(ratio):
-    n = 200_000
+    n = 100_000
     x = {"w": torch.randn(n, generator=gen(5)) * 0.01}
     k = math.ceil(ratio * n)
     counts = []
-    for nonce in range(10):
+    for nonce in range(8):
         enc = build_codec(f"threshold(ratio={ratio})").encode(x, nonce=nonce)
         (c,) = enc.kept
         assert_count(c, k)
@@ -274,7 +280,7 @@ def test_dgc_warmup_counts_per_round():
 
 
 def test_dgc_warmup_counts_on_a_large_segment_and_decoding_needs_no_round():
-    n, ratio, warmup = 200_000, 0.001, 5
+    n, ratio, warmup = 100_000, 0.001, 5
     codec = build_codec(f"dgc(ratio={ratio}, warmup={warmup})+kbit(bits=4)")
     x = {"w": torch.randn(n, generator=gen(9))}
     layout = Layout.of(x)

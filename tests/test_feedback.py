@@ -40,6 +40,13 @@ LOSSY = [
     "topk(ratio=0.05)+qsgd(bits=4)",
     "topk(ratio=0.05, scope='tensor')+kbit(bits=4, block=16)",
     "randomk(ratio=0.1)+sign",
+    "threshold(ratio=0.05)",
+    "threshold(ratio=0.1, mode='signed', scope='tensor')+fp16",
+    "dgc(ratio=0.05)",
+    "dgc(ratio=0.05, warmup=3)+qsgd(bits=4)",
+    "powersgd(rank=1)",
+    "powersgd(rank=2)+fp16",
+    "sketch(rows=5, cols=512, ratio=0.05)",  # client-side error feedback needs a sketch that recovers well
 ]
 
 
