@@ -15,7 +15,11 @@ Every ``--run-config`` is one ``flwr run`` on the same deployment. For each run 
 per-round table joining ``results.json`` (``upload_bytes``: the serialized message content,
 summed over clients) with the relay's client->server bytes of the same round (snapshot when
 ``results.json`` is rewritten after the round), and before the runs, Flower's idle traffic
-(bytes per SuperNode per second with the nodes connected and no run).
+(bytes per SuperNode per second with the nodes connected and no run). Without TLS it also breaks
+the client->server bytes down into HTTP/2 framing, request headers, gRPC length prefixes and
+protobuf bodies (the relay parses the frames) and counts the Fleet RPCs by name (the SuperLink
+runs with ``FLWR_LOG_LEVEL=DEBUG`` and logs each one), and it counts the ClientApp processes the
+SuperNodes start (one per message) with their lifetime and CPU time.
 
 Everything listens on 127.0.0.1 only, on free ports. Every process is started here in its own
 session and stopped by PID (its process group, then any descendant that left the group), in
@@ -31,6 +35,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -44,18 +49,23 @@ from simulations.certs import NodeKey, TlsFiles, make_ca_and_server_cert, make_n
 from simulations.relay import Counts, Relay
 
 __all__ = [
+    "ClientAppSampler",
     "Deployment",
     "Proc",
     "RoundWire",
     "RunResult",
     "deployment",
+    "format_breakdown",
     "format_table",
     "free_port",
     "measure_idle",
+    "reap_adopted",
     "register_node",
     "run_app",
+    "start_superlink",
     "start_supernode",
     "stop_process",
+    "wait_for_nodes",
     "main",
 ]
 
@@ -114,6 +124,8 @@ class Proc:
 
 def _spawn(name: str, cmd: Sequence[str], env: dict[str, str], log_path: Path, cwd: Path) -> Proc:
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path.parent / "commands.sh", "a") as commands:  # what was run, to copy from
+        commands.write(f"# {name}\nFLWR_HOME={shlex.quote(env.get('FLWR_HOME', ''))} {shlex.join(cmd)}\n")
     log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop_process
     try:
         popen = subprocess.Popen(
@@ -231,20 +243,14 @@ def reap_adopted(timeout: float = 5.0) -> None:
     """Wait for adopted Flower helpers to exit (they watch their parent), SIGTERM them after
     ``timeout``, SIGKILL after twice that, and collect their exit status."""
     deadline = time.monotonic() + timeout
-    sig = None
     while adopted := _adopted():
         _reap([pid for pid, state in adopted if state == "Z"])
         alive = [pid for pid, state in adopted if state != "Z"]
-        if not alive:
-            continue
-        if time.monotonic() > deadline + timeout:
-            sig = signal.SIGKILL
-        elif time.monotonic() > deadline:
-            sig = signal.SIGTERM
-        if sig is not None:
-            _signal_pids(alive, sig)
-        if time.monotonic() > deadline + 2 * timeout:
+        now = time.monotonic()
+        if now > deadline + 2 * timeout:
             break
+        if alive and now > deadline:
+            _signal_pids(alive, signal.SIGKILL if now > deadline + timeout else signal.SIGTERM)
         time.sleep(0.1)
 
 
@@ -363,7 +369,8 @@ def _wait_port(port: int, proc: Proc, timeout: float) -> None:
     raise RuntimeError(f"{proc.name} did not listen on 127.0.0.1:{port} within {timeout}s:\n{proc.log()[-3000:]}")
 
 
-def start_superlink(workdir: Path, tls: TlsFiles | None, auth: bool, count_rpcs: bool = False) -> tuple[Proc, int, int]:
+def start_superlink(workdir: Path, tls: TlsFiles | None, auth: bool, count_rpcs: bool = False,
+                    extra_env: dict[str, str] | None = None) -> tuple[Proc, int, int]:
     """Start ``flower-superlink`` with its Fleet API and HTTP API on free loopback ports.
 
     ``count_rpcs`` runs it with ``FLWR_LOG_LEVEL=DEBUG``, so it logs every Fleet RPC.
@@ -389,6 +396,7 @@ def start_superlink(workdir: Path, tls: TlsFiles | None, auth: bool, count_rpcs:
     env = flower_env(home)
     if count_rpcs:
         env["FLWR_LOG_LEVEL"] = "DEBUG"
+    env.update(extra_env or {})
     proc = _spawn("superlink", cmd, env, workdir / "logs" / "superlink.log", workdir)
     try:
         _wait_port(http_port, proc, 60)
@@ -424,11 +432,28 @@ def start_supernode(
         cmd += ["--auth-supernode-private-key", str(key.private_key)]
     if max_retries is not None:
         cmd += ["--max-retries", str(max_retries)]
-    cmd += ["--host", "127.0.0.1", "--port", str(free_port()), "--isolation", isolation,
+    runtime_port = free_port()
+    cmd += ["--host", "127.0.0.1", "--port", str(runtime_port), "--isolation", isolation,
             "--node-config", node_config]
     home = dep.workdir / f"{name}-home"  # own FLWR_HOME: nodes install the app bundle separately
     home.mkdir(parents=True, exist_ok=True)
-    return _spawn(name, cmd, flower_env(home), dep.workdir / "logs" / f"{name}.log", dep.workdir)
+    env = flower_env(home)
+    proc = _spawn(name, cmd, env, dep.workdir / "logs" / f"{name}.log", dep.workdir)
+    if isolation == "process":
+        # the SuperNode does not start a SuperExec: run one next to it, as one would in a
+        # separate container, on the SuperNode's Runtime API (plain HTTP on loopback here)
+        try:
+            _wait_port(runtime_port, proc, 60)
+            dep.extra.append(_spawn(
+                f"{name}-superexec",
+                ["flower-superexec", "--insecure", "--runtime-api-address", f"127.0.0.1:{runtime_port}",
+                 "--parent-pid", str(proc.pid)],
+                env, dep.workdir / "logs" / f"{name}-superexec.log", dep.workdir,
+            ))
+        except BaseException:
+            stop_process(proc)
+            raise
+    return proc
 
 
 def register_node(dep: Deployment, key: NodeKey) -> int:
@@ -467,6 +492,7 @@ def deployment(
     isolation: str = "subprocess",
     wait: bool = True,
     count_rpcs: bool = True,
+    superlink_env: dict[str, str] | None = None,
 ) -> Iterator[Deployment]:
     """SuperLink + relay + ``num_supernodes`` SuperNodes; everything is stopped on exit.
 
@@ -484,7 +510,7 @@ def deployment(
     dep: Deployment | None = None
     subreaper = _set_subreaper(True)
     try:
-        superlink, fleet_port, http_port = start_superlink(workdir, tls_files, auth, count_rpcs)
+        superlink, fleet_port, http_port = start_superlink(workdir, tls_files, auth, count_rpcs, superlink_env)
         _write_cli_config(cli_home, http_port, tls_files)
         relay = Relay("127.0.0.1", fleet_port).start()
         dep = Deployment(workdir=workdir, cli_env=flower_env(cli_home), superlink=superlink, relay=relay,
@@ -596,12 +622,12 @@ class RunResult:
 class ClientAppSampler:
     """Watch the ClientApp processes the SuperNodes start (one per message), from /proc.
 
-    Records, per ``flwr-clientapp`` process below a SuperNode: when it was first and last seen
-    (every ``interval`` s) and its CPU time; the lifetime is process start + imports + training
-    + encoding + reply.
+    Records, per ``flwr-clientapp`` process started below a SuperNode during the run: its start
+    time, when it was last seen alive (sampled every ``interval`` s) and its CPU time; the
+    lifetime is process start + imports + reading the message + training + encoding + reply.
     """
 
-    def __init__(self, dep: Deployment, interval: float = 0.2) -> None:
+    def __init__(self, dep: Deployment, interval: float = 0.5) -> None:
         self.dep, self.interval = dep, interval
         self.seen: dict[int, dict] = {}
         self._stop = threading.Event()
@@ -616,26 +642,39 @@ class ClientAppSampler:
         self._stop.set()
         self._thread.join(5)
 
+    @staticmethod
+    def _uptime() -> float:
+        return float(Path("/proc/uptime").read_text().split()[0])
+
     def _run(self) -> None:
+        t0 = self._uptime() - 0.5  # processes started before this belong to an earlier run
         while not self._stop.is_set():
-            now = time.monotonic()
+            now = self._uptime()
             tree = _children()
-            for node in self.dep.supernodes:
-                todo = [node.pid]
+            roots = [*self.dep.supernodes, *(p for p in self.dep.extra if p.name.endswith("-superexec"))]
+            for node in roots:
+                todo = [(node.pid, "root")]
                 while todo:
-                    for pid in tree.get(todo.pop(), []):
-                        todo.append(pid)
+                    parent, parent_comm = todo.pop()
+                    for pid in tree.get(parent, []):
                         try:
                             comm = Path(f"/proc/{pid}/comm").read_text().strip()
                             stat = Path(f"/proc/{pid}/stat").read_text()
                         except OSError:
                             continue
-                        if not comm.startswith("flwr-clientapp"):
+                        todo.append((pid, comm))
+                        # a ClientApp process, not a helper it forked (which keeps its name)
+                        if not comm.startswith("flwr-clientapp") or parent_comm.startswith("flwr-clientapp"):
                             continue
                         fields = stat[stat.rfind(")") + 2:].split()
+                        started = int(fields[19]) / self._tick  # seconds after boot
+                        if started < t0:
+                            continue
                         cpu = (int(fields[11]) + int(fields[12])) / self._tick
-                        entry = self.seen.setdefault(pid, {"node": node.name, "first": now, "last": now, "cpu": 0.0})
-                        entry["last"], entry["cpu"] = now, max(entry["cpu"], cpu)
+                        entry = self.seen.setdefault(pid, {"node": node.name, "first": started, "last": now, "cpu": 0.0})
+                        entry["cpu"] = max(entry["cpu"], cpu)
+                        if fields[0] != "Z":  # a zombie has exited already
+                            entry["last"] = now
             self._stop.wait(self.interval)
 
     def summary(self) -> dict:
@@ -680,33 +719,32 @@ def run_app(
     snapshots: list[tuple[int, Counts, float]] = []  # (rounds seen, counts, time)
     start_counts, h2_start, log0 = dep.relay.counts(), dep.relay.http2_counts(), dep.log_offset()
     t0 = time.monotonic()
-    sampler = ClientAppSampler(dep).__enter__()
-    proc = _spawn("flwr-run", cmd, dep.cli_env, log_path, dep.workdir)
-    seen = 0
-    try:
-        deadline = t0 + timeout
-        while True:
-            running = proc.alive()
-            data = _read_results(results_path)
-            n = len(data["rounds"]) if data else 0
-            if n > seen:
-                snapshots.append((n, dep.relay.counts(), time.monotonic()))
-                seen = n
-            if not running:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"flwr run did not finish in {timeout}s:\n{proc.log()[-3000:]}")
-            time.sleep(0.05)
-        returncode = proc.popen.returncode
-    finally:
-        sampler.__exit__()
-        if proc.alive():
-            stop_process(proc)
-        else:
-            proc.popen.wait()
-            if proc._log_file is not None:
-                proc._log_file.close()
-                proc._log_file = None
+    with ClientAppSampler(dep) as sampler:
+        proc = _spawn("flwr-run", cmd, dep.cli_env, log_path, dep.workdir)
+        seen = 0
+        try:
+            deadline = t0 + timeout
+            while True:
+                running = proc.alive()
+                data = _read_results(results_path)
+                n = len(data.get("rounds", [])) if isinstance(data, dict) else 0
+                if n > seen:
+                    snapshots.append((n, dep.relay.counts(), time.monotonic()))
+                    seen = n
+                if not running:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"flwr run did not finish in {timeout}s:\n{proc.log()[-3000:]}")
+                time.sleep(0.05)
+            returncode = proc.popen.returncode
+        finally:
+            if proc.alive():
+                stop_process(proc)
+            else:
+                proc.popen.wait()
+                if proc._log_file is not None:
+                    proc._log_file.close()
+                    proc._log_file = None
     seconds = time.monotonic() - t0
     total = dep.relay.counts() - start_counts
     http2 = h2_delta(dep.relay.http2_counts(), h2_start)
@@ -737,7 +775,7 @@ def run_app(
                      clientapps=sampler.summary())
 
 
-def format_table(run: RunResult, idle: dict | None = None) -> str:
+def format_table(run: RunResult) -> str:
     """Per-round table: results.json upload bytes vs relay client->server bytes."""
     head = (f"{'round':>5} {'clients':>7} {'acc':>6} {'results.json up':>15} {'relay c2s':>11} "
             f"{'overhead':>9} {'ovh/client':>10} {'relay s2c':>11} {'results down':>12} {'secs':>6}")
@@ -761,13 +799,8 @@ def format_table(run: RunResult, idle: dict | None = None) -> str:
     if run.rounds:
         clients = sum(r.clients for r in run.rounds)
         overhead = in_rounds - up
-        line = (f"overhead in rounds: {overhead:,} B = {overhead / max(clients, 1):,.0f} B per client-round "
-                f"({in_rounds / max(up, 1):.4f}x the content)")
-        if idle:
-            idle_part = idle["c2s_per_node_per_s"] * sum(r.seconds * r.clients for r in run.rounds)
-            line += (f"; idle polling would account for ~{idle_part:,.0f} B of it, leaving "
-                     f"~{(overhead - idle_part) / max(clients, 1):,.0f} B per reply")
-        lines.append(line)
+        lines.append(f"overhead in rounds: {overhead:,} B = {overhead / max(clients, 1):,.0f} B per client-round "
+                     f"({in_rounds / max(up, 1):.4f}x the content)")
     return "\n".join(lines)
 
 
@@ -792,9 +825,16 @@ def format_breakdown(http2: dict, rpcs: dict, content_bytes: int | None = None) 
         f"gRPC length prefixes {c['grpc_prefix_bytes']:,} B ({c['grpc_messages']} x 5 B); "
         f"control frames (SETTINGS/PING/WINDOW_UPDATE) {c['control_bytes']:,} B; preface {c['preface_bytes']} B",
     ]
+    polling = rpcs.get("PullMessages", 0) + rpcs.get("SendNodeHeartbeat", 0)
+    replies = rpcs.get("PushMessages", 0)
+    if replies:
+        parts.append(f"  {n_rpc - polling} RPCs move messages ({(n_rpc - polling) / replies:.1f} per reply, with "
+                     f"GetRun/GetFab once per node and run), {polling} poll (PullMessages, SendNodeHeartbeat)")
     framing = total - c["grpc_body_bytes"]
+    envelope = c["grpc_body_bytes"] - (content_bytes or 0)
     parts.append(f"  => per call: {framing / max(streams, 1):,.0f} B of HTTP/2 + gRPC framing and headers, "
-                 f"{(c['grpc_body_bytes'] - (content_bytes or 0)) / max(streams, 1):,.0f} B of protobuf envelope")
+                 f"{envelope / max(streams, 1):,.0f} B of protobuf envelope; "
+                 f"{(framing + envelope) / max(streams, 1):,.0f} B per call beyond the content")
     return "\n".join(parts)
 
 
@@ -820,8 +860,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where logs, certificates and results go (default: ./outputs/deploy-<time>)")
     parser.add_argument("--device", default=None, help="node-config device for every SuperNode, e.g. cuda")
-    parser.add_argument("--isolation", default="subprocess", choices=["subprocess"],
-                        help="SuperNode ClientApp isolation (only subprocess is started by this script)")
+    parser.add_argument("--isolation", default="subprocess", choices=["subprocess", "process"],
+                        help="SuperNode isolation: subprocess (the SuperNode starts its SuperExec) or process "
+                             "(this script starts a flower-superexec next to each SuperNode)")
     parser.add_argument("--idle-seconds", type=float, default=30.0,
                         help="measure Flower's idle traffic for this long before the runs (0: skip)")
     parser.add_argument("--timeout", type=float, default=1800, help="per-run timeout in seconds")
@@ -866,7 +907,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\nrun {k + 1}/{len(configs)}: --run-config \"{run_config}\"")
             run = run_app(dep, run_config, out / f"run-{k + 1}", timeout=args.timeout, app_dir=args.app_dir)
             runs.append(run)
-            print(format_table(run, idle))
+            print(format_table(run))
             print(format_breakdown(run.http2, run.rpcs, run.upload_bytes if run.ok else None))
             report["runs"].append({"run_config": run_config, **run.as_dict()})
             if not run.ok:

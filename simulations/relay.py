@@ -7,7 +7,7 @@ connection to a target address, and counts the bytes it forwards in each directi
 bytes, i.e. everything gRPC puts on the wire (HTTP/2 frames, HPACK headers, and, with TLS, the
 TLS records and handshakes); TCP/IP headers are not counted.
 
-It relays bytes without looking at them, so it works with TLS as it is.
+It forwards the bytes unchanged, so it works with TLS as it is.
 
     with Relay("127.0.0.1", fleet_port) as relay:
         ... start SuperNodes with --superlink 127.0.0.1:{relay.port} ...

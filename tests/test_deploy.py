@@ -28,12 +28,14 @@ ROUNDS = 3
 CLIENTS = 2
 
 # What the relay sees from SuperNodes beyond results.json's upload bytes (serialized content)
-# in one round, per client. Measured on this 2-core machine (simulations/DEPLOY.md): 5.8-7.5 KB
-# per reply for the round's RPCs (PullMessages, PullObject per object, ConfirmMessageReceived,
-# PushMessages, PushObject per object; round 1 also GetRun and GetFab), each carrying ~510 B of
-# HTTP/2 request headers plus framing and protobuf envelope, and ~180 B/s of idle polling
-# (one PullMessages every 3 s, a heartbeat every ~20 s) while the round lasts. The bound allows
-# more than twice both, and does not depend on the payload: the dense run's overhead is the same.
+# in one round, per client. Measured on this 2-core machine (simulations/DEPLOY.md): every Fleet
+# RPC costs ~680 B besides the content (~505 B of HTTP/2 request headers, mostly the node's
+# public key, a timestamp and a signature that a SuperNode sends with every call, ~65 B of HTTP/2
+# and gRPC framing, ~105 B of protobuf envelope). A reply takes ~10 RPCs (PullObject and
+# PushObject per object, ConfirmMessageReceived, PushMessages; round 1 also GetRun and GetFab),
+# and while the round lasts each node polls (PullMessages every 3 s, a heartbeat every ~20 s):
+# ~220 B/s. Measured: 9.4-15.1 KB per client-round for 18-44 s rounds. The bound allows about
+# twice both parts, and does not depend on the payload: the dense run's overhead is the same.
 OVERHEAD_PER_REPLY = 16_000  # bytes per client per round
 POLLING_PER_SECOND = 400  # bytes per client per second of the round
 
@@ -146,6 +148,8 @@ def test_insecure_deployment_compressed_vs_dense(tmp_path):
         _check_run(compressed, ROUNDS)
         dense = deploy.run_app(dep, f"{common} upload='none()'", tmp_path / "dense", timeout=300)
         _check_run(dense, ROUNDS)
+        for run in (compressed, dense):  # Flower starts one ClientApp process per message
+            assert run.clientapps["processes"] == ROUNDS * CLIENTS, run.clientapps
     print("\n" + deploy.format_table(compressed) + "\n" + deploy.format_breakdown(
         compressed.http2, compressed.rpcs, compressed.upload_bytes))
     print(deploy.format_table(dense) + "\n" + deploy.format_breakdown(dense.http2, dense.rpcs, dense.upload_bytes))
