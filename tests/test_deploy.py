@@ -28,7 +28,7 @@ ROUNDS = 3
 CLIENTS = 2
 
 # What the relay sees from SuperNodes beyond results.json's upload bytes (serialized content)
-# in one round, per client. Measured on this 2-core machine (simulations/DEPLOY.md): every Fleet
+# in one round, per client. Measured on this 2-core machine (README, "Deployment"): every Fleet
 # RPC costs ~680 B besides the content (~505 B of HTTP/2 request headers, mostly the node's
 # public key, a timestamp and a signature that a SuperNode sends with every call, ~65 B of HTTP/2
 # and gRPC framing, ~105 B of protobuf envelope). A reply takes ~10 RPCs (PullObject and
