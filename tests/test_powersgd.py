@@ -106,6 +106,21 @@ def test_never_below_svd_optimum_and_close_after_warm_rounds(r, quantizer):
         assert errs[-1] <= slack * opt, (errs, opt)
 
 
+@pytest.mark.parametrize("quantizer, bound", [("fp16", 1e-3), ("qsgd(bits=8)", 0.05), ("kbit(bits=8)", 0.05)])
+def test_factors_are_balanced_for_block_scaled_quantizers(quantizer, bound):
+    """P_hat has unit columns, Q the scale of M: sent as they are, a per-block scale set by Q
+    crushes P_hat (qsgd: over 100% error). Balanced, the error does not depend on the scale of M."""
+    g = torch.Generator().manual_seed(12)
+    shape_only = low_rank(384, 512, 2, 1.0, g)
+    codec = build_codec(f"powersgd(rank=2)+{quantizer}")
+    errs = []
+    for rms in (1.0, 1e-2, 1e-4, 1e-6):
+        x = shape_only * (rms * math.sqrt(shape_only.numel()))
+        errs.append(rel_err(codec.encode({"w": x}).decoded["w"], x))
+    assert max(errs) <= bound, errs
+    assert max(errs) <= 1.5 * min(errs) + 1e-6, errs
+
+
 # -- warm start ------------------------------------------------------------------------------------
 def test_warm_start_persists_and_is_used():
     g = torch.Generator().manual_seed(4)
