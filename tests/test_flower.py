@@ -18,31 +18,14 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg, FedMedian
-from flwr.supercore.task_identity import TaskIdentity
 
 import fedcomp
 from clients.mod import compression_mod
+from conftest import FakeGrid
 from fedcomp import protocol as P
 from strategies.wrapper import CompressedStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def task_identity():
-    """Messages need a run/task identity, which a Flower process sets; restore it afterwards."""
-    saved = (TaskIdentity._run_id, TaskIdentity._task_id, TaskIdentity._node_id)
-    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._task_id, TaskIdentity._node_id = saved
-
-
-class FakeGrid:
-    def __init__(self, node_ids):
-        self.node_ids = node_ids
-
-    def get_node_ids(self):
-        return self.node_ids
 
 
 def _model(seed=0):

@@ -6,10 +6,10 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
-from flwr.supercore.task_identity import TaskIdentity
 
 import fedcomp
 from clients.mod import compression_mod
+from conftest import FakeGrid
 from strategies.wrapper import CompressedStrategy
 
 
@@ -65,22 +65,6 @@ def test_bad_sketch_parameters():
 
 
 # -- FetchSGD in the strategy wrapper ---------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def task_identity():
-    saved = (TaskIdentity._run_id, TaskIdentity._task_id, TaskIdentity._node_id)
-    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._task_id, TaskIdentity._node_id = saved
-
-
-class FakeGrid:
-    def __init__(self, node_ids):
-        self.node_ids = node_ids
-
-    def get_node_ids(self):
-        return self.node_ids
 
 
 def _shifting_app(shift):
