@@ -598,7 +598,38 @@ def _segments(case: Case, tensors: dict[str, torch.Tensor], decoded: dict[str, t
         yield names, x, y, half
 
 
+def check_powersgd(case: Case, tensors, decoded) -> None:
+    """Per float tensor viewed as n x m (n = shape[0]): a matrix with (n + m) r * min_compression
+    <= n m (r = min(rank, n, m)) comes back with rank <= r, so its error is at least the truncated
+    SVD's (Eckart-Young), and with fp32 factors at most ||M|| (P_hat P_hat^T M is an orthogonal
+    projection); any other tensor travels raw, through the quantizer."""
+    p = case.params("powersgd")
+    q_name, q_params = case.quantizer
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            continue
+        x, y = t.reshape(-1).float(), decoded[name].reshape(-1).float()
+        half = torch.full((t.numel(),), t.dtype == torch.float16)
+        shape, numel = tuple(t.shape), t.numel()
+        if len(shape) >= 2 and numel:
+            n, m = shape[0], numel // shape[0]
+            r = min(p["rank"], n, m)
+            if (n + m) * r * p["min_compression"] <= n * m:
+                mx, my = x.double().view(n, m), y.double().view(n, m)
+                rounding = (2**-11 if t.dtype == torch.float16 else 1e-5) * float(my.norm())  # of the output
+                s = torch.linalg.svdvals(my)
+                assert float(s[r:].pow(2).sum().sqrt()) <= rounding + 1e-30, f"{name}: rank above {r}"
+                err, tail = float((mx - my).norm()), float(torch.linalg.svdvals(mx)[r:].pow(2).sum().sqrt())
+                assert err >= tail - rounding - 1e-12, f"{name}: error {err} below the SVD optimum {tail}"
+                if q_name == "none":
+                    assert err <= float(mx.norm()) + rounding + 1e-12, f"{name}: error {err} above ||M||"
+                continue
+        check_quantizer(q_name, q_params, x, y, half)
+
+
 def check_codec_output(case: Case, tensors, decoded, nonce: int) -> None:
+    if case.reducer == "powersgd":
+        return check_powersgd(case, tensors, decoded)
     if case.reducer in DENSE_REDUCERS:
         return  # no elementwise bound: tests/test_sketch.py and tests/test_powersgd.py check these
     mask_source = None
@@ -1309,7 +1340,7 @@ def test_spec_fuzz_raises_only_spec_error(text):
 
 
 # -- CUDA ----------------------------------------------------------------------------------------
-CUDA_CASES = ["none", "fp16", "sign-b128", "kbit4-sto", "qsgd4", "terngrad-clip0", "topk+qsgd4", "topk-tensor-fixed", "randomk-rescale+qsgd2", "threshold+fp16", "threshold-adaptive", "dgc+qsgd4"]
+CUDA_CASES = ["none", "fp16", "sign-b128", "kbit4-sto", "qsgd4", "terngrad-clip0", "topk+qsgd4", "topk-tensor-fixed", "randomk-rescale+qsgd2", "threshold+fp16", "threshold-adaptive", "dgc+qsgd4", "powersgd-r2+fp16"]
 
 
 @pytest.mark.cuda
