@@ -161,7 +161,7 @@ class Reducer(Stage):
         self, update: dict[str, torch.Tensor], residual: dict[str, torch.Tensor], ctx: StageContext
     ) -> dict[str, torch.Tensor]:
         """What gets encoded: by default update + residual (plain error feedback)."""
-        return {n: t + residual[n].to(t.device, t.dtype) if n in residual else t for n, t in update.items()}
+        return add_residual(update, residual)
 
     def after_encode(self, target: dict[str, torch.Tensor], decoded: dict[str, torch.Tensor], ctx: StageContext) -> None:
         """Update client state once the encode is known (DGC masks its momentum here)."""
@@ -201,6 +201,11 @@ class Selector(Reducer):
         y = torch.zeros(seg.numel, device=values.device)
         y[aux] = values
         return y
+
+
+def add_residual(update: dict[str, torch.Tensor], residual: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """update + residual, per tensor (plain error feedback); tensors without a residual as they are."""
+    return {n: t + residual[n].to(t.device, t.dtype) if n in residual else t for n, t in update.items()}
 
 
 def block_size(count: int, block: int) -> int:

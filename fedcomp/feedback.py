@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fedcomp.base import StageContext
+from fedcomp.base import StageContext, add_residual
 from fedcomp.codec import Codec, Encoded
 
 
@@ -46,9 +46,10 @@ def compress(
             n: r for n, r in residual.items()
             if n in update and update[n].is_floating_point() and r.shape == update[n].shape
         }
-    target = codec.reducer.accumulate(update, kept, ctx) if (use_ef and codec.reducer is not None) else {
-        n: t + kept[n].to(t.device, t.dtype) if n in kept else t for n, t in update.items()
-    }
+    if use_ef and codec.reducer is not None:
+        target = codec.reducer.accumulate(update, kept, ctx)  # DGC adds momentum here
+    else:
+        target = add_residual(update, kept)
     encoded = codec.encode(target, nonce=nonce, round=round, state=state)
     if codec.reducer is not None and use_ef:
         codec.reducer.after_encode(target, encoded.decoded, ctx)
