@@ -21,7 +21,7 @@ from fedcomp import powersgd as _powersgd  # noqa: F401  (registers the low-rank
 from fedcomp import sketch as _sketch  # noqa: F401  (registers the count sketch)
 from fedcomp.base import REGISTRY, Quantizer, Reducer, Segment, StageContext
 from fedcomp.errors import DecodeError, FedcompError, SpecError
-from fedcomp.layout import Layout
+from fedcomp.layout import MAX_NUMEL, Layout
 from fedcomp.spec import parse_spec
 from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, open_payload
 
@@ -206,6 +206,7 @@ class Codec:
         return {name: t for name, t in zip(layout.names, decoded) if t is not None}  # type: ignore[misc]
 
     def _decode(self, payload, layout, device, round, expand):
+        check_decodable(layout)
         src, nonce = open_payload(payload, layout.fingerprint(), self.fingerprint)
         try:
             return self._decode_body(src, StageContext(nonce, round), layout, device, expand)
@@ -215,27 +216,33 @@ class Codec:
             raise DecodeError(f"malformed payload: {exc}") from exc
 
     def _decode_body(self, src: Reader, ctx: StageContext, layout: Layout, device: torch.device, expand: bool):
-        decoded: list[torch.Tensor | None] = [None] * len(layout.tensors)
-        raw_values = []
+        # Two passes: read and check the whole body first (every length against the layout,
+        # no trailing bytes), and only then build the dense tensors, so a malformed payload
+        # never costs a model-sized allocation.
+        read = []
         for seg, group in self.segments(layout):
             if self.reducer is None:
-                y = self.quantizer.decode(src, seg.numel, device)
+                read.append((seg, group, None, self.quantizer.decode(src, seg.numel, device)))
             else:
                 aux = self.reducer.read(src, seg, ctx, device)
-                vals = self.quantizer.decode(src, self.reducer.value_count(aux, seg), device)
-                if not expand:
-                    raw_values.append(vals)
-                    continue
-                y = self.reducer.expand(vals, aux, seg)
-            self._split(y, group, layout, decoded)
-        for i, spec in enumerate(layout.tensors):
-            if not spec.is_float:
-                raw = src.tensor(spec.numel, spec.torch_dtype)
-                decoded[i] = raw.view(spec.shape).to(device)
+                read.append((seg, group, aux, self.quantizer.decode(src, self.reducer.value_count(aux, seg), device)))
+        raw = {i: src.tensor(spec.numel, spec.torch_dtype) for i, spec in enumerate(layout.tensors) if not spec.is_float}
         src.finish()
         if not expand:
-            return raw_values
+            return [vals for _, _, _, vals in read]
+        decoded: list[torch.Tensor | None] = [None] * len(layout.tensors)
+        for seg, group, aux, vals in read:
+            y = vals if self.reducer is None else self.reducer.expand(vals, aux, seg)
+            self._split(y, group, layout, decoded)
+        for i, t in raw.items():
+            decoded[i] = t.view(layout.tensors[i].shape).to(device)
         return {name: t for name, t in zip(layout.names, decoded)}  # type: ignore[misc]
+
+
+def check_decodable(layout: Layout, max_numel: int = MAX_NUMEL) -> None:
+    """Refuse, before reading a byte, a layout whose dense tensors no decoder should allocate."""
+    if layout.numel > max_numel:
+        raise DecodeError(f"layout of {layout.numel} elements exceeds the decoder's limit of {max_numel} elements")
 
 
 def _build_stage(name: str, args: dict):

@@ -19,6 +19,7 @@ _DTYPES = {
         torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
     )
 }
+MAX_NUMEL = 2**32  # elements a layout read off the wire may describe (16 GiB of fp32)
 
 
 @dataclass(frozen=True)
@@ -78,19 +79,41 @@ class Layout:
         return json.dumps([[t.name, list(t.shape), t.dtype] for t in self.tensors], separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str) -> "Layout":
-        """Inverse of :meth:`to_json`; raises SpecError on anything malformed."""
+    def from_json(cls, text: str, max_numel: int = MAX_NUMEL) -> "Layout":
+        """Inverse of :meth:`to_json`; raises SpecError on anything malformed.
+
+        The text usually comes off the wire (a broadcast), so it is checked before anything is
+        built from it: a JSON list of ``[name, shape, dtype]`` triples, distinct string names,
+        shapes of plain non-negative integers, known dtypes, and at most ``max_numel`` elements
+        in all (a layout claiming 10^12 elements is refused here, before any decoder allocates).
+        """
+        if not isinstance(text, str):
+            raise SpecError(f"malformed layout description: expected a JSON string, got {type(text).__name__}")
         try:
             items = json.loads(text)
-            specs = []
-            for name, shape, dtype in items:
-                if not isinstance(name, str) or dtype not in _DTYPES:
-                    raise ValueError(f"bad entry {name!r}: {dtype!r}")
-                if not all(isinstance(s, int) and 0 <= s < 2**40 for s in shape):
-                    raise ValueError(f"bad shape {shape!r} of {name!r}")
-                specs.append(TensorSpec(name, tuple(shape), dtype))
-        except (ValueError, TypeError) as exc:
-            raise SpecError(f"malformed layout description: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # RecursionError: deeply nested brackets
+            raise SpecError(f"malformed layout description: not JSON ({str(exc)[:80]})") from None
+        if not isinstance(items, list):
+            raise SpecError(f"malformed layout description: expected a list of [name, shape, dtype], got {type(items).__name__}")
+        specs, names, total = [], set(), 0
+        for entry in items:
+            if not (isinstance(entry, list) and len(entry) == 3):
+                raise SpecError(f"malformed layout description: entry {str(entry)[:60]} is not [name, shape, dtype]")
+            name, shape, dtype = entry
+            if not isinstance(name, str) or name in names:
+                raise SpecError(f"malformed layout description: tensor name {str(name)[:60]!r} is not a new string")
+            if not isinstance(dtype, str) or dtype not in _DTYPES:
+                raise SpecError(f"malformed layout description: dtype {str(dtype)[:30]!r} of {name!r}; allowed: {sorted(_DTYPES)}")
+            if not (isinstance(shape, list) and len(shape) <= 16
+                    and all(type(s) is int and 0 <= s <= max_numel for s in shape)):
+                raise SpecError(f"malformed layout description: shape {str(shape)[:60]} of {name!r} must list "
+                                f"at most 16 integers in [0, {max_numel}]")
+            names.add(name)
+            total += math.prod(shape)
+            if total > max_numel:
+                raise SpecError(f"malformed layout description: more than {max_numel} elements in all "
+                                f"(reached {total} at {name!r})")
+            specs.append(TensorSpec(name, tuple(shape), dtype))
         return cls(tuple(specs))
 
     def fingerprint(self) -> bytes:

@@ -56,7 +56,7 @@ def _condition(text: str, spec: str) -> Condition:
         if op != "~":
             raise SpecError(f"policy {spec!r}: names match with ~ (a glob), got {text.strip()!r}")
         return Condition(field, op, value)
-    if op == "~" or not value.isdigit():
+    if op == "~" or not (value.isascii() and value.isdigit() and len(value) <= 20):  # no '²', no 5000 digits
         raise SpecError(f"policy {spec!r}: {field} takes < or >= and a non-negative integer, got {text.strip()!r}")
     return Condition(field, op, int(value))
 
@@ -71,6 +71,10 @@ class PolicyCodec:
     def __init__(self, spec: str) -> None:
         from fedcomp.codec import Codec  # a policy is made of plain codecs
 
+        from fedcomp.spec import MAX_SPEC_CHARS
+
+        if len(spec) > 4 * MAX_SPEC_CHARS:
+            raise SpecError(f"policy of {len(spec)} characters is longer than the {4 * MAX_SPEC_CHARS} allowed")
         self.rules: list[tuple[tuple[Condition, ...], Codec]] = []
         parts = [p for p in spec.split(";") if p.strip()]
         if not parts:
@@ -150,6 +154,9 @@ class PolicyCodec:
         return Encoded(payload, {n: decoded[n] for n in layout.names}, tuple(kept), tuple(side))
 
     def decode(self, payload: bytes, layout: Layout, device: torch.device | str = "cpu", *, round: int = 0):
+        from fedcomp.codec import check_decodable
+
+        check_decodable(layout)
         src, nonce = open_payload(payload, layout.fingerprint(), self.fingerprint)
         out: dict[str, torch.Tensor] = {}
         for i, sub in self.groups(layout, round):

@@ -41,8 +41,8 @@ class CountSketch(Reducer):
             self.fail("cols", "a positive integer up to 2**28")
         if not 0 < self.config.ratio <= 1:
             self.fail("ratio", "a fraction in (0, 1]")
-        if self.config.seed < 0:
-            self.fail("seed", "a non-negative integer")
+        if not 0 <= self.config.seed < 2**32:  # seeds torch.Generator via seed * 1_000_003 + n (< 2**63)
+            self.fail("seed", "an integer in [0, 2**32)")
         self._hashes: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- hashing ----------------------------------------------------------------------------

@@ -23,6 +23,8 @@ _TOKEN = re.compile(
 )
 
 Value = int | float | bool | str
+MAX_SPEC_CHARS = 4096  # specs travel in every broadcast; a longer one is refused before tokenizing
+MAX_NUMBER_CHARS = 64
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ def _tokens(text: str) -> list[tuple[str, str]]:
 
 def _value(kind: str, raw: str) -> Value:
     if kind == "number":
+        if len(raw) > MAX_NUMBER_CHARS:  # int() of thousands of digits raises a plain ValueError
+            raise SpecError(f"number {raw[:20]}... in a codec spec has {len(raw)} characters; at most {MAX_NUMBER_CHARS}")
         return float(raw) if any(c in raw for c in ".eE") else int(raw)
     if kind == "string":
         return raw[1:-1]
@@ -66,6 +70,8 @@ def parse_spec(text: str) -> list[Stage]:
     """
     if not isinstance(text, str) or not text.strip():
         raise SpecError(f"codec spec must be a non-empty string such as 'topk(ratio=0.01)+qsgd(bits=4)', got {text!r}")
+    if len(text) > MAX_SPEC_CHARS:
+        raise SpecError(f"codec spec of {len(text)} characters is longer than the {MAX_SPEC_CHARS} allowed")
     toks = _tokens(text)
     stages: list[Stage] = []
     i = 0

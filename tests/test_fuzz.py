@@ -1,0 +1,192 @@
+"""Fuzzing every decoder with hypothesis (bounded for CI), plus hostile layouts and specs.
+
+The targets and mutations live in simulations/fuzz.py, which also drives atheris for long runs.
+Property: a decode returns the layout's tensors or raises FedcompError, never another exception,
+and never allocates more than the layout and payload size justify.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fedcomp
+from fedcomp.base import REGISTRY
+from fedcomp.spec import parse_spec
+from simulations import fuzz
+
+TARGETS = {t.spec: t for t in fuzz.build_targets()}
+FUZZ = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+class _HypothesisDraw:
+    def __init__(self, data) -> None:
+        self.data = data
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.data.draw(st.integers(lo, hi)) if hi > lo else lo
+
+    def bytes(self, n: int) -> bytes:
+        return self.data.draw(st.binary(min_size=n, max_size=n))
+
+
+def test_targets_cover_every_registered_stage_and_policies():
+    used = {stage.name for spec in fuzz.SPECS if ";" not in spec for stage in parse_spec(spec)}
+    assert set(REGISTRY) <= used, f"no fuzz target for {sorted(set(REGISTRY) - used)}"
+    assert any(fuzz.is_nested(t) for t in TARGETS.values())
+
+
+@pytest.mark.parametrize("spec", fuzz.SPECS)
+def test_real_payload_decodes(spec):
+    target = TARGETS[spec]
+    assert fuzz.check(target, target.payload) == "ok"
+
+
+@pytest.mark.parametrize("spec", fuzz.SPECS)
+@FUZZ
+@given(data=st.data())
+def test_mutated_payloads_raise_only_decode_errors(spec, data):
+    target = TARGETS[spec]
+    mutated = fuzz.mutate(target.payload, _HypothesisDraw(data), fuzz.is_nested(target))
+    fuzz.check(target, mutated)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(raw=st.binary(max_size=300), which=st.integers(0, len(fuzz.SPECS) - 1))
+def test_random_bytes_raise_only_decode_errors(raw, which):
+    target = TARGETS[fuzz.SPECS[which]]
+    assert fuzz.check(target, raw) == "rejected"
+    # the same bytes behind a valid header and CRC reach the body decoder
+    framed = fuzz.fix_crc(target.payload[: fuzz.HEADER_BYTES] + raw + bytes(4), fuzz.is_nested(target))
+    fuzz.check(target, framed)
+
+
+def test_mutation_ops_reach_the_body_decoder():
+    """The CRC-fixing mutations must get past the checksum, or the fuzzing proves little."""
+    target = TARGETS["topk(ratio=0.1)"]
+    p = bytearray(target.payload)
+    p[30] ^= 0xFF
+    with pytest.raises(fedcomp.DecodeError, match="checksum"):
+        target.codec.decode(bytes(p), target.layout)
+    with pytest.raises(fedcomp.DecodeError) as info:
+        target.codec.decode(fuzz.fix_crc(bytes(p)), target.layout)
+    assert "checksum" not in str(info.value)
+
+
+def _with_u32(payload: bytes, offset: int, value: int) -> bytes:
+    data = bytearray(payload)
+    data[offset:offset + 4] = struct.pack("<I", value)
+    return fuzz.fix_crc(bytes(data))
+
+
+def test_body_claiming_huge_counts_is_rejected_before_allocating():
+    """u32 counts (kept elements, index stream length) at their maximum: typed error, no allocation."""
+    target = TARGETS["topk(ratio=0.1)"]
+    for value in (2**32 - 1, target.layout.numel + 1):
+        bad = _with_u32(target.payload, fuzz.HEADER_BYTES, value)  # the kept count k
+        with fuzz.allocation_guard(10 * target.layout.numel):
+            with pytest.raises(fedcomp.DecodeError, match="claims|truncated"):
+                target.codec.decode(bad, target.layout)
+    bad = _with_u32(target.payload, fuzz.HEADER_BYTES + 5, 2**32 - 1)  # the unary stream's length
+    with fuzz.allocation_guard(10 * target.layout.numel):
+        with pytest.raises(fedcomp.DecodeError, match="truncated"):
+            target.codec.decode(bad, target.layout)
+
+
+@pytest.mark.parametrize("spec", ["none()", "topk(ratio=0.1)", "sketch(rows=3, cols=64)", "randomk(ratio=0.1)",
+                                  "powersgd(rank=2)", "numel<100: fp16; sign"])
+def test_layout_of_1e12_elements_is_rejected_before_allocating(spec):
+    """A layout claiming 10^12 elements (e.g. a hostile broadcast) fails before any allocation."""
+    text = json.dumps([["w", [1_000_000, 1_000_000], "float32"]])
+    with pytest.raises(fedcomp.SpecError, match="elements"):
+        fedcomp.Layout.from_json(text)
+    huge = fedcomp.Layout((fedcomp.TensorSpec("w", (1_000_000, 1_000_000), "float32"),))
+    codec = fedcomp.build_codec(spec)
+    small = codec.encode({"w": torch.randn(8, 8)}).payload
+    forged = bytearray(small)
+    forged[4:12] = huge.fingerprint()
+    with fuzz.allocation_guard(1_000_000):
+        with pytest.raises(fedcomp.DecodeError):
+            codec.decode(fuzz.fix_crc(bytes(forged), fuzz.is_nested(fuzz.Target(spec, codec, huge, b"", 0))), huge)
+
+
+def test_allocation_guard_catches_large_requests():
+    with fuzz.allocation_guard(100):
+        torch.zeros(100)
+        with pytest.raises(fuzz.AllocationError):
+            torch.zeros(10, 11)
+        with pytest.raises(fuzz.AllocationError):
+            torch.randint(0, 5, (3, 50))
+        with pytest.raises(fuzz.AllocationError):
+            torch.randperm(101)
+    torch.zeros(1000)  # restored
+
+
+# -- nothing on the wire is evaluated: hostile layouts and specs get typed errors ---------------
+HOSTILE_LAYOUTS = [
+    "", "null", "{}", "1", '"w"', "[1]", "[[]]", '[["w"]]', '[["w", [2], "float32", 1]]',
+    '[["w", [-1], "float32"]]', '[["w", [2.5], "float32"]]', '[["w", [true], "float32"]]',
+    '[["w", "ab", "float32"]]', '[["w", [2], "complex64"]]', '[["w", [2], "object"]]',
+    '[[1, [2], "float32"]]', '[["w", [2], "float32"], ["w", [3], "float32"]]',
+    '[["w", [1099511627776], "float32"]]', '[["w", [65536, 65536, 65536], "float32"]]',
+    "[" * 100_000 + "]" * 100_000, '[["w", [' + "9" * 5000 + '], "float32"]]',
+    '{"__class__": "os.system", "args": ["true"]}', "\x80abc", '[["w", [2], "float32"]] trailing',
+]
+
+
+@pytest.mark.parametrize("text", HOSTILE_LAYOUTS, ids=range(len(HOSTILE_LAYOUTS)))
+def test_hostile_layout_descriptions_raise_spec_errors(text):
+    with pytest.raises(fedcomp.SpecError, match="layout"):
+        fedcomp.Layout.from_json(text)
+
+
+def test_layout_round_trips_through_json():
+    layout = fedcomp.Layout.of(fuzz.model())
+    assert fedcomp.Layout.from_json(layout.to_json()) == layout
+
+
+HOSTILE_SPECS = [
+    "", "   ", "(", "topk(", "topk(ratio=)", "topk(ratio=0.1,,)", "topk(ratio=0.1)+", "+", "__import__('os')",
+    "topk(ratio=__import__)", "eval(1)", "topk(ratio=" + "9" * 5000 + ")", "kbit(bits=" + "1" * 10000 + ")",
+    "topk(ratio=1e999)", "topk(ratio=-1e999)", "sketch(seed=" + "9" * 30 + ")", "sketch(seed=-1)",
+    "sketch(rows=1, cols=1e300)", "topk(ratio=0.1)+topk(ratio=0.1)", "qsgd+topk", "none(x=1)",
+    "numel<²: fp16; sign", "numel<" + "9" * 5000 + ": fp16; sign", "round<1: ; sign", ";;;", "name~: fp16",
+    "numel<10: fp16; numel<5: sign", "numel>=abc: fp16; sign", "a" * 100_000, "topk(ratio='0.1')",
+    "dgc(clip=1e999)", "kbit(bits=true)", "topk(ratio=0.1)\x00", "tópk(ratio=0.1)",
+]
+
+
+@pytest.mark.parametrize("text", HOSTILE_SPECS, ids=range(len(HOSTILE_SPECS)))
+def test_hostile_specs_raise_spec_errors(text):
+    with pytest.raises(fedcomp.SpecError):
+        fedcomp.build_codec(text)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(text=st.text(alphabet=st.sampled_from(list("topk(ratio=0.1)+qsgd,bits4;numel<:~ &'\"e-9x²")), max_size=60))
+def test_random_spec_text_raises_only_spec_errors(text):
+    try:
+        codec = fedcomp.build_codec(text)
+    except fedcomp.SpecError:
+        return
+    assert isinstance(codec.spec, str)
+
+
+def test_payload_bytes_are_never_unpickled():
+    """A pickle stream where a payload belongs is just malformed bytes."""
+    import pickle
+
+    target = TARGETS["none()"]
+    evil = pickle.dumps({"w": torch.zeros(2)})
+    with pytest.raises(fedcomp.DecodeError, match="magic|shorter"):
+        target.codec.decode(evil, target.layout)
+    framed = fuzz.fix_crc(target.payload[: fuzz.HEADER_BYTES] + evil + bytes(4))
+    with pytest.raises(fedcomp.DecodeError):
+        target.codec.decode(framed, target.layout)
+    assert zlib.crc32(b"") == 0  # fix_crc relies on zlib's CRC32, as the wire format does
