@@ -15,8 +15,9 @@ Messages without a fedcomp record (evaluation, or a strategy that is not wrapped
 from __future__ import annotations
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.constant import ErrorCode
 
 import fedcomp
 from fedcomp import protocol as P
@@ -62,7 +63,11 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
             f"compression_mod needs a train reply with exactly one ArrayRecord, got {len(array_keys)}: {array_keys}"
         )
     trained = _torch_dict(reply.content.array_records[array_keys[0]])
-    layout.check(trained)
+    try:
+        layout.check(trained)
+    except fedcomp.SpecError as exc:  # a client with another model: say so instead of a shape error
+        return Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, f"fedcomp: the trained model does not match "
+                             f"the server's layout: {exc}"), reply_to=msg)
     device = node_device(context)
     delta = {name: trained[name].to(device) - received[name].to(device) for name in layout.names}
 

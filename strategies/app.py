@@ -24,6 +24,7 @@ app = ServerApp()
 CONFIG_KEYS = (
     "num-server-rounds", "fraction-train", "model", "local-epochs", "lr", "batch-size", "seed",
     "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum", "delta",
+    "max-update-norm",
 )
 
 
@@ -56,6 +57,7 @@ def validate_run_config(run_config) -> dict:
     _check(cfg, "aggregation", str, "'auto', 'decode' or 'sketch'", lambda v: v in ("auto", "decode", "sketch"))
     _check(cfg, "server-momentum", float, "a float in [0, 1)", lambda v: 0 <= v < 1)
     _check(cfg, "delta", float, "a float in [0, 1] (0: off)", lambda v: 0 <= v <= 1)
+    _check(cfg, "max-update-norm", float, "a finite float >= 0 (0: off)", lambda v: 0 <= v < float("inf"))
     return cfg
 
 
@@ -84,6 +86,7 @@ def main(grid: Grid, context: Context) -> None:
         aggregation=_aggregation(cfg),
         server_momentum=float(cfg["server-momentum"]),
         delta=float(cfg["delta"]),
+        max_update_norm=float(cfg["max-update-norm"]),
     )
     rounds: list[dict] = []
     log(INFO, "fedcomp: results go to %s", out_dir / "results.json")

@@ -19,6 +19,7 @@ content tree (records, arrays, array chunks), per client.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from logging import INFO, WARNING
 
@@ -90,6 +91,12 @@ class CompressedStrategy(Strategy):
         they hold the same reference (its round); a client whose reply was dropped, or that sat
         out, sends a plain update and both sides start over. Costs one dense update per client
         on the server. 0 turns it off.
+    max_update_norm : float (default: 0.0)
+        Drop a reply whose decoded update (all float tensors, L2) is longer than this, with the
+        norm and the bound in its status: an absurd or hostile update never reaches the
+        aggregate. With ``aggregation="sketch"`` the bound applies to the sketch's norm divided
+        by sqrt(rows) (each row of a count sketch preserves the norm in expectation). 0 turns
+        it off. NaN and Inf updates are always dropped.
     """
 
     def __init__(
@@ -102,6 +109,7 @@ class CompressedStrategy(Strategy):
         aggregation: str = "decode",
         server_momentum: float = 0.0,
         delta: float = 0.0,
+        max_update_norm: float = 0.0,
     ) -> None:
         self.inner = inner
         self.upload = fedcomp.build_codec(upload)  # fails here, before any round, on a bad spec
@@ -118,6 +126,10 @@ class CompressedStrategy(Strategy):
             raise fedcomp.SpecError(f"delta={delta!r} is invalid: delta must be in [0, 1] (0 turns delta coding off)")
         if delta and aggregation == "sketch":
             raise fedcomp.SpecError("delta coding needs per-client decoding; it does not combine with aggregation='sketch'")
+        if not (isinstance(max_update_norm, (int, float)) and 0 <= max_update_norm < float("inf")):
+            raise fedcomp.SpecError(
+                f"max_update_norm={max_update_norm!r} is invalid: it must be a finite float >= 0 (0 turns the bound off)")
+        self.max_update_norm = float(max_update_norm)
         self.delta = delta
         self._last: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # node -> (round, its last update)
         self.aggregation = aggregation
@@ -195,7 +207,7 @@ class CompressedStrategy(Strategy):
             try:
                 content, other_bytes, values = self._decode_reply(msg.content, server_round, node)
             except (fedcomp.FedcompError, KeyError, TypeError) as exc:
-                entry["status"] = f"dropped: {exc}"
+                entry["status"] = f"dropped: reply lacks the key {exc}" if isinstance(exc, KeyError) else f"dropped: {exc}"
                 log(WARNING, "fedcomp: dropping reply of node %s in round %s: %s", node, server_round, exc)
                 stats.clients.append(entry)
                 continue
@@ -264,6 +276,8 @@ class CompressedStrategy(Strategy):
             values = self.upload.decode_values(payload, self._layout)
             if not all(bool(torch.isfinite(v).all()) for v in values):
                 raise fedcomp.FedcompError("sketch has NaN or Inf values")
+            rows = getattr(self.upload.reducer.config, "rows", 1)
+            self._check_norm(math.sqrt(sum(float(v.double().pow(2).sum()) for v in values) / rows))
             rest = RecordDict({k: v for k, v in content.items() if k != P.UPLOAD_RECORD})
             _metric(rest, getattr(self.inner, "weighted_by_key", "num-examples"))  # weight must exist
             return rest, message_bytes(rest), values
@@ -280,6 +294,8 @@ class CompressedStrategy(Strategy):
                         f"delta against round {ref}, but the server holds round {held[0] if held else 'none'} for this node"
                     )
                 delta = {k: v + self.delta * held[1][k] if k in held[1] else v for k, v in delta.items()}
+        self._check_norm(math.sqrt(sum(float(t.double().pow(2).sum()) for t in delta.values() if t.is_floating_point())))
+        if self.delta:
             self._last[node] = (server_round, {k: v for k, v in delta.items() if v.is_floating_point()})
         model = {name: (self._base[name].float() + delta[name].float()).to(self._base[name].dtype)
                  if self._base[name].is_floating_point() else self._base[name] + delta[name]
@@ -288,6 +304,13 @@ class CompressedStrategy(Strategy):
         other_bytes = message_bytes(rest)
         rest[str(record[P.ARRAYS_KEY])] = ArrayRecord(model)
         return rest, other_bytes, None
+
+    def _check_norm(self, norm: float) -> None:
+        if self.max_update_norm and norm > self.max_update_norm:
+            raise fedcomp.FedcompError(
+                f"update norm {norm:.4g} exceeds max_update_norm={self.max_update_norm:g} (an absurd or hostile "
+                f"update; raise max-update-norm if such updates are legitimate)"
+            )
 
     # -- federated evaluation: passed through uncompressed (the project's app evaluates centrally) --
     def configure_evaluate(

@@ -1,0 +1,174 @@
+"""Bad replies and faulty clients: each is dropped with a clear reason and the round still aggregates the rest.
+
+Driven in process: the wrapper's configure_train, the client mod around a stand-in ClientApp,
+then aggregate_train (tests/conftest.py FakeGrid).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
+
+import fedcomp
+from clients.mod import compression_mod
+from conftest import FakeGrid
+from fedcomp import protocol as P
+from strategies.app import validate_run_config
+from strategies.wrapper import CompressedStrategy
+
+
+def _model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(16, 8, generator=g), "b": torch.randn(16, generator=g), "steps": torch.tensor(5)}
+
+
+def _shift(seed, scale=0.01):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": scale * torch.randn(16, 8, generator=g), "b": scale * torch.randn(16, generator=g),
+            "steps": torch.tensor(1)}
+
+
+def _app(shift, examples=10, reshape=None):
+    """A ClientApp stand-in: 'trains' by adding ``shift``; ``reshape`` gives it another model."""
+
+    def app(msg: Message, context: Context) -> Message:
+        received = msg.content.array_records["arrays"].to_torch_state_dict()
+        trained = {k: v + shift[k] for k, v in received.items()}
+        if reshape:
+            trained = reshape(trained)
+        content = RecordDict({"arrays": ArrayRecord(trained), "metrics": MetricRecord({"num-examples": examples})})
+        return Message(content, reply_to=msg)
+
+    return app
+
+
+def _round(strategy, model, apps, server_round=1, tamper=None, contexts=None):
+    contexts = contexts or {n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+                            for n in apps}
+    messages = strategy.configure_train(server_round, ArrayRecord(model), ConfigRecord({}), FakeGrid(sorted(apps)))
+    replies = []
+    for msg in messages:
+        node = msg.metadata.dst_node_id
+        reply = compression_mod(msg, contexts[node], apps[node])
+        if tamper and node in tamper:
+            tamper[node](reply)
+        replies.append(reply)
+    arrays, _ = strategy.aggregate_train(server_round, replies)
+    return arrays.to_torch_state_dict(), {c["node"]: c["status"] for c in strategy.rounds[server_round].clients}
+
+
+def _only_node_1(out, model, shift):
+    """The aggregate is node 1's model alone: the bad reply was left out, the round went on."""
+    for name in ("w", "b"):
+        torch.testing.assert_close(out[name], model[name] + shift[name], rtol=0, atol=1e-6)
+
+
+def _set_payload(payload: bytes):
+    def tamper(reply):
+        reply.content.config_records[P.UPLOAD_RECORD][P.PAYLOAD] = payload
+    return tamper
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_update_is_dropped_and_round_aggregates_the_rest(bad):
+    model, s1, s2 = _model(), _shift(1), _shift(2)
+    s2["b"][3] = bad
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=2), upload="none()")
+    out, status = _round(strategy, model, {1: _app(s1), 2: _app(s2)})
+    _only_node_1(out, model, s1)
+    assert status[1] == "ok" and status[2].startswith("dropped") and "NaN or Inf" in status[2]
+
+
+def test_norm_bound_drops_absurd_update_with_reason():
+    model, s1, s2 = _model(), _shift(1), _shift(2, scale=1e4)
+    norm2 = math.sqrt(float(s2["w"].pow(2).sum() + s2["b"].pow(2).sum()))
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=2), upload="none()", max_update_norm=10.0)
+    out, status = _round(strategy, model, {1: _app(s1), 2: _app(s2)})
+    _only_node_1(out, model, s1)
+    assert status[1] == "ok"
+    assert status[2].startswith("dropped") and "exceeds max_update_norm=10" in status[2]
+    assert f"{norm2:.4g}" in status[2]
+    # the bound does the work: without it the absurd update is averaged in
+    off = CompressedStrategy(FedAvg(min_available_nodes=2), upload="none()")
+    out, status = _round(off, model, {1: _app(s1), 2: _app(s2)})
+    assert set(status.values()) == {"ok"} and float((out["w"] - model["w"]).abs().max()) > 100
+
+
+def test_norm_bound_with_compressed_upload_and_sketch_aggregation():
+    model, s1, s2 = _model(), _shift(1), _shift(2, scale=1e4)
+    for kwargs in ({"upload": "topk(ratio=0.2)+qsgd(bits=4)"},
+                   {"upload": "sketch(rows=3, cols=200, ratio=0.3)", "aggregation": "sketch"}):
+        strategy = CompressedStrategy(FedAvg(min_available_nodes=2), max_update_norm=10.0, **kwargs)
+        out, status = _round(strategy, model, {1: _app(s1), 2: _app(s2)})
+        assert status[1] == "ok" and "exceeds max_update_norm" in status[2], kwargs
+        assert float((out["w"] - model["w"]).abs().max()) < 1, kwargs
+
+
+def test_max_update_norm_parameter_checked():
+    for bad in (-1.0, float("inf"), float("nan"), "1"):
+        with pytest.raises(fedcomp.SpecError, match="max_update_norm"):
+            CompressedStrategy(FedAvg(), max_update_norm=bad)
+
+
+def test_client_with_another_model_gets_a_clear_error_and_round_goes_on():
+    model, s1, s2 = _model(), _shift(1), _shift(2)
+
+    def other_model(trained):
+        return {**trained, "w": torch.zeros(16, 9)}  # another architecture: w is 16 x 9
+
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=1), upload="none()")
+    out, status = _round(strategy, model, {1: _app(s1), 2: _app(s2, reshape=other_model)})
+    _only_node_1(out, model, s1)
+    assert status[1] == "ok"
+    assert status[2].startswith("error") and "does not match the server's layout" in status[2] and "(16, 9)" in status[2]
+
+
+def test_payload_for_another_layout_is_dropped_with_reason():
+    model, s1 = _model(), _shift(1)
+    foreign = fedcomp.build_codec("none()").encode({"w": torch.zeros(4, 4)}).payload
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=1), upload="none()")
+    out, status = _round(strategy, model, {1: _app(s1), 2: _app(_shift(2))}, tamper={2: _set_payload(foreign)})
+    _only_node_1(out, model, s1)
+    assert status[2].startswith("dropped") and "another model layout" in status[2]
+
+
+@pytest.mark.parametrize("payload, reason", [
+    (b"", "shorter"),
+    (b"\x80\x04garbage" * 10, "not a fedcomp payload"),
+    (None, "lacks the key 'payload'"),
+    ("a string", "bytes"),
+])
+def test_garbage_payloads_are_dropped_with_reason(payload, reason):
+    model, s1 = _model(), _shift(1)
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=1), upload="topk(ratio=0.5)")
+    out, status = _round(strategy, model, {1: _app(s1), 2: _app(_shift(2))}, tamper={2: _set_payload(payload)}
+                         if payload is not None else {2: _drop_payload})
+    assert status[1] == "ok" and status[2].startswith("dropped") and reason in status[2]
+    assert torch.isfinite(out["w"]).all()
+
+
+def _drop_payload(reply):
+    del reply.content.config_records[P.UPLOAD_RECORD][P.PAYLOAD]
+
+
+def test_payload_of_another_codec_is_dropped_with_reason():
+    model, s1 = _model(), _shift(1)
+    other = fedcomp.build_codec("fp16").encode({k: v for k, v in _shift(2).items()}).payload
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=1), upload="none()")
+    _, status = _round(strategy, model, {1: _app(s1), 2: _app(_shift(2))}, tamper={2: _set_payload(other)})
+    assert status[2].startswith("dropped") and "another codec" in status[2]
+
+
+def test_run_config_max_update_norm_validated():
+    from test_flower import ROOT  # noqa: F401  (the same pyproject defaults the app reads)
+    import tomllib
+
+    defaults = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert validate_run_config(defaults)["max-update-norm"] == 0.0
+    for bad in (-1.0, float("inf"), "big", True):
+        with pytest.raises(ValueError, match=r"max-update-norm=.* must be a finite float >= 0"):
+            validate_run_config({**defaults, "max-update-norm": bad})
