@@ -7,13 +7,43 @@ engine, or by ``flower-supernode --node-config``), optional ``device`` (``cpu``,
 
 from __future__ import annotations
 
+import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from clients.faults import faults_mod
 from clients.mod import compression_mod, node_device
 from simulations import task
 
-app = ClientApp(mods=[compression_mod])
+app = ClientApp(mods=[faults_mod, compression_mod])  # faults_mod is a no-op unless run config `faults` is set
+
+
+def validate_node_config(node_config) -> tuple[int, int]:
+    """(partition-id, num-partitions), checked; raises ValueError naming the key, the value and what is allowed.
+
+    ``device``, when given, must name a torch device (``cpu``, ``cuda``, ``cuda:1``...).
+    """
+    cfg = dict(node_config)
+    for key in ("partition-id", "num-partitions"):
+        if key not in cfg:
+            raise ValueError(f"node config lacks {key!r}; set it with flower-supernode --node-config "
+                             f"'partition-id=0 num-partitions=10' (the simulation engine sets it)")
+    parts, pid = cfg["num-partitions"], cfg["partition-id"]
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"node config num-partitions={parts!r} is invalid: num-partitions must be a positive integer")
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < parts:
+        raise ValueError(f"node config partition-id={pid!r} is invalid: partition-id must be an integer "
+                         f"in [0, {parts}) (num-partitions={parts})")
+    if "device" in cfg:
+        device = cfg["device"]
+        try:
+            if not isinstance(device, str):
+                raise TypeError
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"node config device={device!r} is invalid: device must be a torch device "
+                             f"such as 'cpu', 'cuda' or 'cuda:1'") from None
+    return pid, parts
 
 
 @app.train()
@@ -23,7 +53,7 @@ def train(msg: Message, context: Context) -> Message:
     model = task.build_model(str(cfg["model"]), seed=seed)
     model.load_state_dict(msg.content.array_records["arrays"].to_torch_state_dict())
     train_set, _ = task.load_digits_split(seed=seed)
-    pid, parts = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    pid, parts = validate_node_config(context.node_config)
     x, y = task.partition(train_set, parts, pid, float(cfg["partition-alpha"]), seed)
     server_round = int(msg.content.config_records["config"].get("server-round", 0))
     loss = task.train(

@@ -89,7 +89,10 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     state = _torch_dict(context.state.array_records[P.CODEC_STATE]) if P.CODEC_STATE in context.state.array_records else {}
     state = {k: v.to(device) for k, v in state.items()}
     server_round = int(cfg[P.ROUND])
-    nonce = fedcomp.derive_nonce(int(cfg[P.SEED]), server_round, context.node_id)
+    # the partition id where the node has one: node ids are random per simulation run, and the
+    # nonce (stochastic rounding, random-k) must not be, for seeded runs to repeat bit for bit
+    ident = int(context.node_config.get("partition-id", context.node_id))
+    nonce = fedcomp.derive_nonce(int(cfg[P.SEED]), server_round, ident)
     encoded, new_residual = fedcomp.compress(
         upload, delta, residual, nonce=nonce, error_feedback=use_ef, round=server_round, state=state
     )

@@ -16,6 +16,7 @@ from flwr.serverapp import ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 import fedcomp
+from clients.faults import parse_faults
 from simulations import results, task
 from strategies.wrapper import CompressedStrategy
 
@@ -24,7 +25,7 @@ app = ServerApp()
 CONFIG_KEYS = (
     "num-server-rounds", "fraction-train", "model", "local-epochs", "lr", "batch-size", "seed",
     "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum", "delta",
-    "max-update-norm",
+    "max-update-norm", "faults", "round-timeout",
 )
 
 
@@ -42,6 +43,9 @@ def validate_run_config(run_config) -> dict:
     missing = [k for k in CONFIG_KEYS if k not in cfg]
     if missing:
         raise ValueError(f"run config lacks {missing}; defaults live in pyproject.toml [tool.flwr.app.config]")
+    unknown = sorted(k for k in cfg if k not in CONFIG_KEYS)
+    if unknown:  # a typo such as max-update-nrom would otherwise be ignored silently
+        raise ValueError(f"run config has unknown keys {unknown}; allowed: {', '.join(CONFIG_KEYS)}")
     _check(cfg, "num-server-rounds", int, "a positive integer", lambda v: v >= 1)
     _check(cfg, "fraction-train", float, "a fraction in (0, 1]", lambda v: 0 < v <= 1)
     _check(cfg, "model", str, f"one of {task.MODELS}", lambda v: v in task.MODELS)
@@ -53,11 +57,23 @@ def validate_run_config(run_config) -> dict:
     _check(cfg, "error-feedback", bool, "true or false", lambda v: True)
     _check(cfg, "upload", str, "a codec spec such as 'topk(ratio=0.01)+qsgd(bits=4)'", lambda v: True)
     _check(cfg, "download", str, "a codec spec such as 'none()'", lambda v: True)
+    for key in ("upload", "download"):  # a bad spec fails here, before any round
+        try:
+            fedcomp.build_codec(cfg[key])
+        except fedcomp.SpecError as exc:
+            raise ValueError(f"run config {key}={cfg[key]!r} is invalid: {exc}") from None
     _check(cfg, "out-dir", str, "a directory path", lambda v: bool(v.strip()))
     _check(cfg, "aggregation", str, "'auto', 'decode' or 'sketch'", lambda v: v in ("auto", "decode", "sketch"))
     _check(cfg, "server-momentum", float, "a float in [0, 1)", lambda v: 0 <= v < 1)
     _check(cfg, "delta", float, "a float in [0, 1] (0: off)", lambda v: 0 <= v <= 1)
     _check(cfg, "max-update-norm", float, "a finite float >= 0 (0: off)", lambda v: 0 <= v < float("inf"))
+    _check(cfg, "round-timeout", float, "seconds > 0 the server waits for a round's replies", lambda v: 0 < v < float("inf"))
+    _check(cfg, "faults", str, "'' (off) or fault items such as 'crash=0.1,garbage=0.05,slow=0.05,absent=2-4'",
+           lambda v: True)
+    try:
+        parse_faults(cfg["faults"])
+    except fedcomp.SpecError as exc:
+        raise ValueError(f"run config faults={cfg['faults']!r} is invalid: {exc}") from None
     return cfg
 
 
@@ -115,6 +131,7 @@ def main(grid: Grid, context: Context) -> None:
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
         num_rounds=int(cfg["num-server-rounds"]),
+        timeout=float(cfg["round-timeout"]),
         train_config=ConfigRecord({}),
         evaluate_fn=evaluate,
     )

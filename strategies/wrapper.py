@@ -19,6 +19,7 @@ content tree (records, arrays, array chunks), per client.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Iterable
 from logging import INFO, WARNING
@@ -44,6 +45,18 @@ def _metric(content: RecordDict, key: str) -> float:
 def message_bytes(record) -> int:
     """Bytes Flower transmits for a record (RecordDict, ArrayRecord, ...) and everything in it."""
     return sum(len(obj.deflate()) for obj in get_all_nested_objects(record).values())
+
+
+def canonical_order(msg: Message) -> tuple[int, bytes, int]:
+    """Sort key of a reply that does not depend on arrival order or on node ids (random per
+    simulation run): the SHA-256 of its payload, error replies last. Aggregating in this order
+    makes a seeded simulation reproduce its floating-point sums bit for bit."""
+    if msg.has_error():
+        return 1, b"", msg.metadata.src_node_id
+    record = msg.content.config_records.get(P.UPLOAD_RECORD)
+    payload = record.get(P.PAYLOAD) if record is not None else None
+    digest = hashlib.sha256(payload).digest() if isinstance(payload, bytes) else b""
+    return 0, digest, msg.metadata.src_node_id
 
 
 @dataclasses.dataclass
@@ -144,6 +157,7 @@ class CompressedStrategy(Strategy):
         self.seed = seed
         self.rounds: dict[int, RoundStats] = {}
         self._base: dict[str, torch.Tensor] = {}  # the model as clients decode it this round
+        self._sent: dict[int, list[int]] = {}  # round -> nodes sent a train message (to record who never replied)
         self._layout: fedcomp.Layout | None = None
 
     def summary(self) -> None:
@@ -157,6 +171,7 @@ class CompressedStrategy(Strategy):
     ) -> Iterable[Message]:
         messages = list(self.inner.configure_train(server_round, arrays, config, grid))
         stats = self.rounds.setdefault(server_round, RoundStats())
+        self._sent[server_round] = [m.metadata.dst_node_id for m in messages]
         if not messages:
             return messages
         model = dict(arrays.to_torch_state_dict())
@@ -195,7 +210,7 @@ class CompressedStrategy(Strategy):
         dense_model_bytes = message_bytes(ArrayRecord(self._base)) if self._base else 0
         decoded_replies = []
         sketches = []  # (reply content, sketch values) for aggregation="sketch"
-        for msg in replies:
+        for msg in sorted(replies, key=canonical_order):  # Flower's arrival order varies: sum in a fixed one
             node = msg.metadata.src_node_id
             if msg.has_error():
                 stats.clients.append({"node": node, "status": f"error: {msg.error.reason}"})
@@ -217,6 +232,10 @@ class CompressedStrategy(Strategy):
             decoded_replies.append(msg)
             if values is not None:
                 sketches.append((content, values))
+        replied = {c["node"] for c in stats.clients}
+        for node in self._sent.pop(server_round, []):
+            if node not in replied:  # Flower hands over only what arrived before the round's timeout
+                stats.clients.append({"node": node, "status": "no reply: timed out or node unavailable"})
         if self.aggregation == "sketch":
             return self._aggregate_sketches(sketches)
         return self.inner.aggregate_train(server_round, decoded_replies)

@@ -172,3 +172,103 @@ def test_run_config_max_update_norm_validated():
     for bad in (-1.0, float("inf"), "big", True):
         with pytest.raises(ValueError, match=r"max-update-norm=.* must be a finite float >= 0"):
             validate_run_config({**defaults, "max-update-norm": bad})
+
+
+# -- configuration: every key validated at start, naming key, value and what is allowed -----------
+BAD_RUN_CONFIG = {
+    "num-server-rounds": (0, "positive integer"),
+    "fraction-train": (1.5, "a fraction in (0, 1]"),
+    "model": ("resnet", "one of"),
+    "local-epochs": (0, "positive integer"),
+    "lr": (0.0, "a positive float"),
+    "batch-size": (-1, "positive integer"),
+    "seed": (-3, "non-negative integer"),
+    "partition-alpha": (0.0, "positive float"),
+    "upload": ("topk(ratio=2)", "ratio must be a fraction in (0, 1]"),
+    "download": ("gzip()", "unknown codec 'gzip'"),
+    "error-feedback": ("yes", "true or false"),
+    "out-dir": ("  ", "a directory path"),
+    "aggregation": ("mean", "'auto', 'decode' or 'sketch'"),
+    "server-momentum": (1.0, "a float in [0, 1)"),
+    "delta": (2.0, "a float in [0, 1]"),
+    "max-update-norm": (-1.0, "a finite float >= 0"),
+    "faults": ("crash=2", "crash must be a probability in [0, 1]"),
+    "round-timeout": (0.0, "seconds > 0"),
+}
+
+
+def _defaults():
+    import tomllib
+
+    from test_flower import ROOT
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+
+
+def test_every_run_config_key_has_a_rejection_test():
+    from strategies.app import CONFIG_KEYS
+
+    assert set(BAD_RUN_CONFIG) == set(CONFIG_KEYS)
+
+
+@pytest.mark.parametrize("key", sorted(BAD_RUN_CONFIG))
+def test_bad_run_config_value_names_key_value_and_allowed(key):
+    value, allowed = BAD_RUN_CONFIG[key]
+    defaults = _defaults()
+    validate_run_config(defaults)
+    with pytest.raises(ValueError) as info:
+        validate_run_config({**defaults, key: value})
+    message = str(info.value)
+    assert f"{key}={value!r}" in message and allowed in message, message
+
+
+def test_wrong_type_and_unknown_keys_are_rejected():
+    defaults = _defaults()
+    with pytest.raises(ValueError, match=r"num-server-rounds='3' is invalid"):
+        validate_run_config({**defaults, "num-server-rounds": "3"})
+    with pytest.raises(ValueError, match=r"unknown keys \['max-update-nrom'\]; allowed: .*max-update-norm"):
+        validate_run_config({**defaults, "max-update-nrom": 1.0})
+    with pytest.raises(ValueError, match="lacks"):
+        validate_run_config({k: v for k, v in defaults.items() if k != "upload"})
+
+
+def test_bad_spec_fails_before_any_round():
+    """The ServerApp validates first: a bad spec raises before the strategy sends anything."""
+    from flwr.app import Context as AppContext
+
+    from strategies import app as server_app
+
+    class NoGrid:
+        def __getattr__(self, name):
+            raise AssertionError(f"the grid was used ({name}) before the config was checked")
+
+    context = AppContext(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                         run_config={**_defaults(), "upload": "topk(ratio=0.01)+qsgd(bits=9)"})
+    main = server_app.main.__wrapped__ if hasattr(server_app.main, "__wrapped__") else server_app.main
+    with pytest.raises(ValueError, match=r"upload='topk\(ratio=0.01\)\+qsgd\(bits=9\)' is invalid.*bits"):
+        main(NoGrid(), context)
+
+
+@pytest.mark.parametrize("node_config, message", [
+    ({"num-partitions": 4}, "lacks 'partition-id'"),
+    ({"partition-id": 0}, "lacks 'num-partitions'"),
+    ({"partition-id": 4, "num-partitions": 4}, "partition-id=4 is invalid: partition-id must be an integer in [0, 4)"),
+    ({"partition-id": -1, "num-partitions": 4}, "partition-id=-1 is invalid"),
+    ({"partition-id": "0", "num-partitions": 4}, "partition-id='0' is invalid"),
+    ({"partition-id": 0, "num-partitions": 0}, "num-partitions=0 is invalid: num-partitions must be a positive integer"),
+    ({"partition-id": 0, "num-partitions": True}, "num-partitions=True is invalid"),
+    ({"partition-id": 0, "num-partitions": 4, "device": "gpu0"}, "device='gpu0' is invalid: device must be a torch device"),
+    ({"partition-id": 0, "num-partitions": 4, "device": 3}, "device=3 is invalid"),
+])
+def test_bad_node_config_names_key_value_and_allowed(node_config, message):
+    from clients.app import validate_node_config
+
+    with pytest.raises(ValueError) as info:
+        validate_node_config(node_config)
+    assert message in str(info.value)
+
+
+def test_good_node_config_passes():
+    from clients.app import validate_node_config
+
+    assert validate_node_config({"partition-id": 2, "num-partitions": 5, "device": "cpu"}) == (2, 5)
