@@ -272,3 +272,114 @@ def test_good_node_config_passes():
     from clients.app import validate_node_config
 
     assert validate_node_config({"partition-id": 2, "num-partitions": 5, "device": "cpu"}) == (2, 5)
+
+
+# -- fault injection: crashes, garbage, timeouts, clients that sit out and come back ---------------
+from flwr.app import Error  # noqa: E402
+from flwr.common.constant import ErrorCode  # noqa: E402
+
+from clients.faults import FaultPlan, draw, faults_mod, parse_faults  # noqa: E402
+
+FAULTS = "crash=0.15,garbage=0.15,slow=0.1,sleep=0,absent=3-4,absent-frac=0.34"
+
+
+def test_parse_faults():
+    plan = parse_faults(FAULTS)
+    assert plan == FaultPlan(crash=0.15, garbage=0.15, slow=0.1, sleep=0.0, absent=(3, 4), absent_frac=0.34)
+    assert not parse_faults("").active and parse_faults("absent=2").absent == (2, 2)
+    for bad, message in [("crash", "name=value"), ("boom=0.1", "name=value"), ("crash=x", "crash must be a number"),
+                         ("absent=4-2", "absent must be rounds A-B"), ("slow=-0.1", "probability"),
+                         ("crash=0.6,garbage=0.6", "at most 1"), ("sleep=1e9", "sleep must be seconds"),
+                         ("crash=0.1,crash=0.2", "given twice")]:
+        with pytest.raises(fedcomp.SpecError, match=message):
+            parse_faults(bad)
+
+
+def test_fault_draws_are_seeded_per_seed_round_partition():
+    plan = parse_faults(FAULTS)
+    grid = [[draw(plan, 3, r, p) for p in range(6)] for r in range(1, 9)]
+    assert grid == [[draw(plan, 3, r, p) for p in range(6)] for r in range(1, 9)]
+    assert grid != [[draw(plan, 4, r, p) for p in range(6)] for r in range(1, 9)]
+    assert all(grid[r - 1][p] == "absent" for r in (3, 4) for p in range(6) if grid[2][p] == "absent")
+
+
+def _simulate(faults, rounds=8, n=6, seed=3, upload="topk(ratio=0.2)+qsgd(bits=4)", node_ids=None, order=None, **kw):
+    """Rounds of the wrapper and the real faults_mod + compression_mod chain, driven as Flower would:
+    an exception in the ClientApp becomes an error reply, a reply later than the round timeout
+    (a slow client) is never handed to the strategy."""
+    plan = parse_faults(faults)
+    node_ids = node_ids or [100 + p for p in range(n)]
+    partition = dict(zip(node_ids, range(n)))
+    contexts = {node: Context(run_id=1, node_id=node, node_config={"partition-id": p, "num-partitions": n},
+                              state=RecordDict(), run_config={"faults": faults, "seed": seed})
+                for node, p in partition.items()}
+    strategy = CompressedStrategy(FedAvg(), upload=upload, seed=seed, **kw)
+    model, history, payloads, faults_seen = _model(), [], [], []
+    for r in range(1, rounds + 1):
+        messages = list(strategy.configure_train(r, ArrayRecord(model), ConfigRecord({}), FakeGrid(node_ids)))
+        replies = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            p = partition[node]
+            app = _app(_shift(1000 * r + p), examples=10 + p)
+            try:
+                reply = faults_mod(msg, contexts[node], lambda m, c: compression_mod(m, c, app))
+            except Exception as exc:  # what Flower makes of an exception raised in a ClientApp
+                reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(exc).__name__}: {exc}"),
+                                reply_to=msg)
+            fault = draw(plan, seed, r, p)
+            faults_seen.append((r, p, fault))
+            if fault == "slow":
+                continue  # arrived after the round's timeout
+            if not reply.has_error():
+                payloads.append((r, p, bytes(reply.content.config_records[P.UPLOAD_RECORD][P.PAYLOAD])))
+            replies.append(reply)
+        arrays, _ = strategy.aggregate_train(r, order(replies) if order else replies)
+        if arrays is not None:
+            model = arrays.to_torch_state_dict()
+        history.append({k: v.clone() for k, v in model.items()})
+    return strategy, history, payloads, faults_seen, contexts, partition
+
+
+def test_fault_injection_run_completes_finite_and_records_drops():
+    strategy, history, _, seen, contexts, partition = _simulate(FAULTS)
+    kinds = {f for _, _, f in seen}
+    assert {"crash", "garbage", "slow", "absent", None} <= kinds, kinds  # every fault happened at least once
+    assert all(torch.isfinite(t.float()).all() for t in history[-1].values())
+    assert not torch.equal(history[-1]["w"], _model()["w"])  # the model moved: rounds aggregated
+    node_of = {p: node for node, p in partition.items()}
+    expected = {
+        "crash": "error: InjectedFault: fault injection: client {p} crashed in round {r} after training",
+        "garbage": "dropped: not a fedcomp payload",
+        "slow": "no reply: timed out or node unavailable",
+        "absent": "error: fault injection: client {p} sits out round {r}",
+        None: "ok",
+    }
+    for r, p, fault in seen:
+        status = {c["node"]: c["status"] for c in strategy.rounds[r].clients}[node_of[p]]
+        assert status.startswith(expected[fault].format(p=p, r=r)), (r, p, fault, status)
+    # the clients that sat out rounds 3-4 are back from round 5 (the status loop above checked each)
+    back = {p for r, p, f in seen if r == 3 and f == "absent"}
+    assert back and back == {p for r, p, f in seen if r == 4 and f == "absent"}
+    assert not back & {p for r, p, f in seen if r == 5 and f == "absent"}
+
+
+def test_absent_client_keeps_its_residual_while_away():
+    """A client that sits out does not touch its state: the residual it had is applied when it returns."""
+    faults = "absent=2-3,absent-frac=1"
+    plan = parse_faults(faults)
+    node, ctx_state = 7, RecordDict()
+    context = Context(run_id=1, node_id=node, node_config={"partition-id": 0, "num-partitions": 1},
+                      state=ctx_state, run_config={"faults": faults, "seed": 0})
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=1, min_train_nodes=1), upload="topk(ratio=0.1)")
+    model, residuals = _model(), {}
+    for r in range(1, 5):
+        msg = list(strategy.configure_train(r, ArrayRecord(model), ConfigRecord({}), FakeGrid([node])))[0]
+        reply = faults_mod(msg, context, lambda m, c: compression_mod(m, c, _app(_shift(r))))
+        assert reply.has_error() == (draw(plan, 0, r, 0) == "absent") == (r in (2, 3))
+        residuals[r] = {k: v.clone() for k, v in context.state.array_records[P.RESIDUAL_STATE].to_torch_state_dict().items()}
+        arrays, _ = strategy.aggregate_train(r, [reply])
+        model = arrays.to_torch_state_dict() if arrays is not None else model
+    assert all(torch.equal(residuals[1][k], residuals[3][k]) for k in residuals[1])  # untouched while away
+    assert not torch.equal(residuals[4]["w"], residuals[1]["w"])  # used and renewed on return
+    assert {c["status"] for c in strategy.rounds[4].clients} == {"ok"}
