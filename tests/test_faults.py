@@ -7,6 +7,7 @@ then aggregate_train (tests/conftest.py FakeGrid).
 from __future__ import annotations
 
 import math
+import subprocess
 
 import pytest
 import torch
@@ -383,3 +384,41 @@ def test_absent_client_keeps_its_residual_while_away():
     assert all(torch.equal(residuals[1][k], residuals[3][k]) for k in residuals[1])  # untouched while away
     assert not torch.equal(residuals[4]["w"], residuals[1]["w"])  # used and renewed on return
     assert {c["status"] for c in strategy.rounds[4].clients} == {"ok"}
+
+
+# -- the same faults through `flwr run` (simulation engine, real timeouts and exceptions) ---------
+from test_flower import _flwr_run, superlink  # noqa: E402,F401  (the SuperLink fixture, stopped by PID)
+
+# seed 3 draws (rounds 1-4 x partitions 0-3): garbage+crash, absent, absent, slow; round 1 has no slow
+# client because it includes the simulation's start (about 30 s here), which the timeout must cover
+E2E_FAULTS = "crash=0.15,garbage=0.15,slow=0.1,sleep=100,absent=2-3,absent-frac=0.25"
+
+
+@pytest.mark.slow
+def test_flwr_run_with_fault_injection(superlink, tmp_path):  # noqa: F811
+    seed, rounds, n = 3, 4, 4
+    plan = parse_faults(E2E_FAULTS)
+    expected = {r: [draw(plan, seed, r, p) for p in range(n)] for r in range(1, rounds + 1)}
+    assert {f for fs in expected.values() for f in fs} >= {"crash", "garbage", "slow", "absent", None}
+    # one actor per client, so a sleeping client does not hold up the others (2 cores: oversubscribed)
+    subprocess.run(["flwr", "federation", "simulation-config", "--num-supernodes", str(n),
+                    "--client-resources-num-cpus", "1", "--init-args-num-cpus", str(n)],
+                   env=superlink, check=True, capture_output=True, timeout=60)
+    run = _flwr_run(superlink, tmp_path / "faults",
+                    f"num-server-rounds={rounds} seed={seed} faults='{E2E_FAULTS}' round-timeout=90.0 "
+                    f"upload='topk(ratio=0.05)+qsgd(bits=4)'")
+    assert [r["round"] for r in run["rounds"]] == list(range(1, rounds + 1))
+    for r in run["rounds"]:
+        assert math.isfinite(r["loss"]) and math.isfinite(r["accuracy"])
+        statuses = [c["status"] for c in r["clients"]]
+        faults = expected[r["round"]]
+        assert len(statuses) == n, statuses
+        assert statuses.count("ok") == faults.count(None), (faults, statuses)
+        assert sum(s.startswith("dropped: not a fedcomp payload") for s in statuses) == faults.count("garbage")
+        assert sum(s.startswith("no reply") for s in statuses) == faults.count("slow"), (faults, statuses)
+        for p, f in enumerate(faults):
+            if f in ("crash", "absent"):
+                word = "crashed" if f == "crash" else "sits out"
+                assert any(f"client {p} {word} in round" in s or f"client {p} {word} round" in s
+                           for s in statuses), (p, f, statuses)
+    assert run["rounds"][-1]["loss"] < math.log(10) - 0.05  # it still learns (chance: loss ln 10, accuracy 0.1)
