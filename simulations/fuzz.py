@@ -14,7 +14,9 @@ recompute the CRC32 trailers (the outer one, and a policy's sub-payload ones) so
 input reaches the decoder body instead of stopping at the checksum.
 
 The property (:func:`check`): decoding returns tensors of exactly the layout's names, shapes
-and dtypes, or raises :class:`fedcomp.FedcompError`; any other exception is a bug. While a
+and dtypes, or raises :class:`fedcomp.FedcompError` from an explicit check; any other exception
+is a bug, and so is a DecodeError made by ``Codec.decode``'s last-resort conversion of a stray
+RuntimeError/ValueError (it would hide a missing check). While a
 decode runs, :func:`allocation_guard` fails any torch factory call (zeros, empty, randint...)
 asking for more elements than ``ALLOC_FACTOR`` x (layout elements + payload bits): the
 decoder's memory is bounded by the model it was given, never by what a payload claims.
@@ -239,7 +241,12 @@ def check(target: Target, data: bytes) -> str:
             out = codec.decode(data, target.layout, round=target.round)
             if getattr(codec, "linear", False):
                 codec.decode_values(data, target.layout)
-    except fedcomp.FedcompError:
+    except fedcomp.FedcompError as exc:
+        cause = exc.__cause__
+        if cause is not None and not isinstance(cause, fedcomp.FedcompError):
+            # Codec.decode turns stray RuntimeError/ValueError/... into DecodeError as a last line
+            # of defence; reaching it means a missing check, so the fuzzer counts it as a failure
+            raise AssertionError(f"{target.spec}: the decoder's fallback caught {cause!r}") from exc
         return "rejected"
     if list(out) != list(target.layout.names):
         raise AssertionError(f"{target.spec}: decoded names {list(out)} != layout {target.layout.names}")
