@@ -422,3 +422,38 @@ def test_flwr_run_with_fault_injection(superlink, tmp_path):  # noqa: F811
                 assert any(f"client {p} {word} in round" in s or f"client {p} {word} round" in s
                            for s in statuses), (p, f, statuses)
     assert run["rounds"][-1]["loss"] < math.log(10) - 0.05  # it still learns (chance: loss ln 10, accuracy 0.1)
+
+
+# -- determinism: same seed and config, same bytes and the same model, whatever the reply order ---
+def test_same_seed_gives_same_bytes_and_model_in_any_reply_order_and_node_ids():
+    upload = "topk(ratio=0.2)+qsgd(bits=4)"  # stochastic rounding: the nonce matters
+    _, hist_a, pay_a, seen_a, _, _ = _simulate(FAULTS, rounds=5, upload=upload)
+    _, hist_b, pay_b, seen_b, _, _ = _simulate(FAULTS, rounds=5, upload=upload,
+                                               node_ids=[9_000_001, 17, 5_555, 42, 77_777, 3],  # random per run in Flower
+                                               order=lambda replies: replies[::-1])
+    assert sorted(seen_a, key=str) == sorted(seen_b, key=str)
+    assert sorted(pay_a) == sorted(pay_b)  # the same payload bytes per (round, partition)
+    for a, b in zip(hist_a, hist_b):
+        assert all(torch.equal(a[k], b[k]) for k in a)  # bit for bit
+    _, _, pay_c, _, _, _ = _simulate(FAULTS, rounds=5, upload=upload, seed=4)
+    assert sorted(pay_c) != sorted(pay_a)  # the seed does change the run
+
+
+def test_canonical_order_is_needed_for_bitwise_sums():
+    """Without a fixed order FedAvg's float sums depend on arrival order (why the wrapper sorts)."""
+    g = torch.Generator().manual_seed(0)
+    contents = [RecordDict({"arrays": ArrayRecord({"w": torch.randn(1000, generator=g) * 10 ** i}),
+                            "metrics": MetricRecord({"num-examples": 7 + i})}) for i in range(6)]
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    forward = aggregate_arrayrecords(contents, "num-examples").to_torch_state_dict()["w"]
+    backward = aggregate_arrayrecords(contents[::-1], "num-examples").to_torch_state_dict()["w"]
+    assert not torch.equal(forward, backward)
+
+
+@pytest.mark.slow
+def test_flwr_run_twice_gives_the_same_curve(superlink, tmp_path):  # noqa: F811
+    config = "num-server-rounds=3 seed=5 upload='topk(ratio=0.05)+qsgd(bits=4)'"
+    runs = [_flwr_run(superlink, tmp_path / f"run{i}", config) for i in range(2)]
+    curves = [[(r["accuracy"], r["loss"], r["upload_bytes"]) for r in run["rounds"]] for run in runs]
+    assert curves[0] == curves[1] and len(curves[0]) == 3
