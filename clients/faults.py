@@ -150,8 +150,8 @@ def faults_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
     reply = call_next(msg, context)
     if fault == "crash":
         raise InjectedFault(f"fault injection: client {partition} crashed in round {server_round} after training")
-    if fault == "garbage" and not reply.has_error() and P.UPLOAD_RECORD in reply.content.config_records:
-        record = reply.content.config_records[P.UPLOAD_RECORD]
+    record = reply.content.config_records.get(P.UPLOAD_RECORD) if reply.has_content() else None
+    if fault == "garbage" and record is not None and P.PAYLOAD in record:  # (a resync request has no payload)
         size = len(record[P.PAYLOAD])
         record[P.PAYLOAD] = _rng(seed, server_round, partition, "bytes").randbytes(size)
     return reply

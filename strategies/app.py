@@ -17,6 +17,7 @@ from flwr.serverapp.strategy import FedAvg
 
 import fedcomp
 from clients.faults import parse_faults
+from fedcomp.broadcast import parse_thresholds, parse_tiers
 from simulations import results, task
 from strategies.wrapper import CompressedStrategy
 
@@ -25,7 +26,7 @@ app = ServerApp()
 CONFIG_KEYS = (
     "num-server-rounds", "fraction-train", "model", "local-epochs", "lr", "batch-size", "seed",
     "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum", "delta",
-    "max-update-norm", "faults", "round-timeout",
+    "download-tier-kbps", "download-max-stale", "max-update-norm", "faults", "round-timeout",
 )
 
 
@@ -56,12 +57,19 @@ def validate_run_config(run_config) -> dict:
     _check(cfg, "partition-alpha", float, "a positive float", lambda v: v > 0)
     _check(cfg, "error-feedback", bool, "true or false", lambda v: True)
     _check(cfg, "upload", str, "a codec spec such as 'topk(ratio=0.01)+qsgd(bits=4)'", lambda v: True)
-    _check(cfg, "download", str, "a codec spec such as 'none()'", lambda v: True)
-    for key in ("upload", "download"):  # a bad spec fails here, before any round
+    _check(cfg, "download", str, "a codec spec such as 'none()', or tiers such as 'topk(ratio=0.01)+qsgd(bits=4) | kbit(bits=8)'",
+           lambda v: True)
+    _check(cfg, "download-tier-kbps", str, "'' or ascending kbps thresholds between tiers such as '1000,8000'", lambda v: True)
+    _check(cfg, "download-max-stale", int, "a positive integer (steps a client may miss before a full model)", lambda v: v >= 1)
+    for key, parse in (("upload", fedcomp.build_codec), ("download", parse_tiers)):  # bad specs fail here, before any round
         try:
-            fedcomp.build_codec(cfg[key])
+            parse(cfg[key])
         except fedcomp.SpecError as exc:
             raise ValueError(f"run config {key}={cfg[key]!r} is invalid: {exc}") from None
+    try:
+        parse_thresholds(cfg["download-tier-kbps"], len(parse_tiers(cfg["download"])))
+    except fedcomp.SpecError as exc:
+        raise ValueError(f"run config download-tier-kbps={cfg['download-tier-kbps']!r} is invalid: {exc}") from None
     _check(cfg, "out-dir", str, "a directory path", lambda v: bool(v.strip()))
     _check(cfg, "aggregation", str, "'auto', 'decode' or 'sketch'", lambda v: v in ("auto", "decode", "sketch"))
     _check(cfg, "server-momentum", float, "a float in [0, 1)", lambda v: 0 <= v < 1)
@@ -102,6 +110,8 @@ def main(grid: Grid, context: Context) -> None:
         aggregation=_aggregation(cfg),
         server_momentum=float(cfg["server-momentum"]),
         delta=float(cfg["delta"]),
+        download_tier_kbps=str(cfg["download-tier-kbps"]),
+        download_max_stale=int(cfg["download-max-stale"]),
         max_update_norm=float(cfg["max-update-norm"]),
     )
     rounds: list[dict] = []
@@ -117,6 +127,8 @@ def main(grid: Grid, context: Context) -> None:
             "round": server_round, "accuracy": accuracy, "loss": loss,
             "upload_bytes": s.upload_bytes, "download_bytes": s.download_bytes,
             "upload_bytes_dense": s.upload_bytes_dense, "download_bytes_dense": s.download_bytes_dense,
+            "download_bytes_by_tier": {str(t): b for t, b in sorted(s.download_bytes_by_tier.items())},
+            "broadcast_encodes": s.encodes, "downloads": s.downloads,
             "clients": s.clients,
         }
         rounds.append(row)

@@ -187,6 +187,8 @@ BAD_RUN_CONFIG = {
     "partition-alpha": (0.0, "positive float"),
     "upload": ("topk(ratio=2)", "ratio must be a fraction in (0, 1]"),
     "download": ("gzip()", "unknown codec 'gzip'"),
+    "download-tier-kbps": ("8000,1000", "ascending"),
+    "download-max-stale": (0, "a positive integer"),
     "error-feedback": ("yes", "true or false"),
     "out-dir": ("  ", "a directory path"),
     "aggregation": ("mean", "'auto', 'decode' or 'sketch'"),
