@@ -459,3 +459,73 @@ def test_flwr_run_twice_gives_the_same_curve(superlink, tmp_path):  # noqa: F811
     runs = [_flwr_run(superlink, tmp_path / f"run{i}", config) for i in range(2)]
     curves = [[(r["accuracy"], r["loss"], r["upload_bytes"]) for r in run["rounds"]] for run in runs]
     assert curves[0] == curves[1] and len(curves[0]) == 3
+
+
+# -- deployment: a SuperNode killed mid-run and restarted has lost Context.state ------------------
+def _wait_rounds(path, count, proc, timeout):
+    import json
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        if len(data.get("rounds", [])) >= count:
+            return data
+        if not proc.alive():
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"run did not reach round {count}:\n{proc.log()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_supernode_killed_and_restarted_resyncs_and_run_goes_on(tmp_path):
+    """SIGKILL one of two SuperNodes after round 2 and start it again with the same key (so the
+    same node id): its ClientApp state (broadcast reference, residual) is gone. The server still
+    holds the node's old reference, the node answers with a resync request, gets a full model in
+    the next round, and the run finishes every round with a finite model."""
+    import os
+    import signal
+
+    from simulations import deploy
+
+    rounds = 7
+    with deploy.deployment(tmp_path / "deploy", 2, tls=True, auth=True) as dep:
+        out = tmp_path / "run"
+        out.mkdir()
+        config = (f"num-server-rounds={rounds} download='topk(ratio=0.2)+qsgd(bits=8)' round-timeout=120.0 "
+                  f"out-dir='{out}'")
+        run = deploy._spawn("flwr-run", ["flwr", "run", str(deploy.ROOT), deploy.CONNECTION, "--stream",
+                                         "--run-config", config], dep.cli_env, out / "flwr-run.log", dep.workdir)
+        try:
+            before = _wait_rounds(out / "results.json", 2, run, 400)
+            victim = dep.supernodes[1]
+            kids = deploy.descendants(victim.pid)
+            os.killpg(victim.pid, signal.SIGKILL)  # a crash, not a shutdown
+            deploy._signal_pids(kids, signal.SIGKILL)
+            deploy.stop_process(victim)  # reaps it and closes its log
+            dep.supernodes[1] = deploy.start_supernode(dep, 1, 2, key=dep.node_keys[1], name="supernode-1-restarted")
+            data = _wait_rounds(out / "results.json", rounds, run, 600)
+            run.popen.wait(timeout=120)
+        finally:
+            if run.alive():
+                deploy.stop_process(run)
+    assert run.popen.returncode == 0, run.log()[-3000:]
+    assert [r["round"] for r in data["rounds"]] == list(range(1, rounds + 1))
+    assert all(math.isfinite(r["loss"]) for r in data["rounds"])
+    nodes = {c["node"] for c in before["rounds"][0]["clients"]}
+    assert len(nodes) == 2
+    later = data["rounds"][2:]
+    statuses = [(r["round"], c["node"], c["status"]) for r in later for c in r["clients"]]
+    resyncs = [(r, n, s) for r, n, s in statuses if s.startswith("resync:")]
+    assert resyncs, statuses  # the server noticed (the restarted node holds no reference)
+    r_resync, node, _ = resyncs[0]
+    assert node in nodes  # the same node id came back
+    full = [r for r in data["rounds"] if r["round"] > r_resync
+            for d in r["downloads"] if d["node"] == node and d["mode"] == "full"]
+    assert full, "no full model was sent after the resync request"
+    ok_after = [r for r, n, s in statuses if n == node and s == "ok" and r > r_resync]
+    assert ok_after, statuses  # and it takes part again
+    assert data["rounds"][-1]["accuracy"] > data["rounds"][0]["accuracy"]
