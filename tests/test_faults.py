@@ -480,6 +480,30 @@ def _wait_rounds(path, count, proc, timeout):
     raise AssertionError(f"run did not reach round {count}:\n{proc.log()[-3000:]}")
 
 
+def _restart_supernode(dep, index, timeout=240):
+    """Start SuperNode ``index`` again with its key. The SuperLink refuses to activate a node id
+    it still believes online (Flower exit code 305) until the dead one misses its heartbeats, so
+    retry until the SuperLink logs a new activation."""
+    import time
+
+    from simulations import deploy
+
+    deadline = time.monotonic() + timeout
+    attempt = 0
+    while time.monotonic() < deadline:
+        attempt += 1
+        activations = len(dep.activated_nodes())
+        proc = deploy.start_supernode(dep, index, len(dep.supernodes), key=dep.node_keys[index],
+                                      name=f"supernode-{index}-restart{attempt}")
+        while time.monotonic() < deadline and proc.alive() and len(dep.activated_nodes()) == activations:
+            time.sleep(0.5)
+        if proc.alive() and len(dep.activated_nodes()) > activations:
+            return proc
+        deploy.stop_process(proc)
+        time.sleep(5)
+    raise AssertionError(f"SuperNode {index} was not activated again within {timeout}s")
+
+
 @pytest.mark.slow
 def test_supernode_killed_and_restarted_resyncs_and_run_goes_on(tmp_path):
     """SIGKILL one of two SuperNodes after round 2 and start it again with the same key (so the
@@ -506,7 +530,7 @@ def test_supernode_killed_and_restarted_resyncs_and_run_goes_on(tmp_path):
             os.killpg(victim.pid, signal.SIGKILL)  # a crash, not a shutdown
             deploy._signal_pids(kids, signal.SIGKILL)
             deploy.stop_process(victim)  # reaps it and closes its log
-            dep.supernodes[1] = deploy.start_supernode(dep, 1, 2, key=dep.node_keys[1], name="supernode-1-restarted")
+            dep.supernodes[1] = _restart_supernode(dep, 1)
             data = _wait_rounds(out / "results.json", rounds, run, 600)
             run.popen.wait(timeout=120)
         finally:
