@@ -253,11 +253,16 @@ class CompressedStrategy(Strategy):
         dense_model_bytes = message_bytes(ArrayRecord(self._base)) if self._base else 0
         decoded_replies = []
         sketches = []  # (reply content, sketch values) for aggregation="sketch"
+        sent = self._sent.pop(server_round, [])
+        unattributed: list[str] = []  # error reasons of replies whose sender was not messaged this round
         for msg in sorted(replies, key=canonical_order):  # Flower's arrival order varies: sum in a fixed one
             node = msg.metadata.src_node_id
             if msg.has_error():
-                stats.clients.append({"node": node, "status": f"error: {msg.error.reason}"})
                 decoded_replies.append(msg)  # the inner strategy counts and logs failures
+                if node not in sent:  # made by the SuperLink (e.g. a dead node): its node id is not the client's
+                    unattributed.append(msg.error.reason)
+                    continue
+                stats.clients.append({"node": node, "status": f"error: {msg.error.reason}"})
                 continue
             wire = message_bytes(msg.content)
             entry = {"node": node, "upload_bytes": wire, "status": "ok"}
@@ -282,9 +287,10 @@ class CompressedStrategy(Strategy):
             if values is not None:
                 sketches.append((content, values))
         replied = {c["node"] for c in stats.clients}
-        for node in self._sent.pop(server_round, []):
-            if node not in replied:  # Flower hands over only what arrived before the round's timeout
-                stats.clients.append({"node": node, "status": "no reply: timed out or node unavailable"})
+        missing = [node for node in sent if node not in replied]  # Flower hands over what arrived in time
+        for node in missing:
+            reason = f" ({unattributed[0]})" if len(missing) == len(unattributed) == 1 else ""
+            stats.clients.append({"node": node, "status": f"no reply: timed out or node unavailable{reason}"})
         if self.aggregation == "sketch":
             return self._aggregate_sketches(sketches)
         arrays, metrics = self.inner.aggregate_train(server_round, decoded_replies)

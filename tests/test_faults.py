@@ -553,3 +553,24 @@ def test_supernode_killed_and_restarted_resyncs_and_run_goes_on(tmp_path):
     ok_after = [r for r, n, s in statuses if n == node and s == "ok" and r > r_resync]
     assert ok_after, statuses  # and it takes part again
     assert data["rounds"][-1]["accuracy"] > data["rounds"][0]["accuracy"]
+
+
+def test_superlink_error_for_a_dead_node_is_recorded_under_that_node():
+    """Flower answers for a node that stopped heartbeating with an error whose sender is not the
+    node: the wrapper records it once, as that node's missing reply, with the SuperLink's reason."""
+    model, s1 = _model(), _shift(1)
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=1), upload="none()")
+    messages = sorted(strategy.configure_train(1, ArrayRecord(model), ConfigRecord({}), FakeGrid([1, 2])),
+                      key=lambda m: m.metadata.dst_node_id)
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    ok = compression_mod(messages[0], context, _app(s1))
+    from flwr.app import Metadata
+
+    made = Message(Error(ErrorCode.NODE_UNAVAILABLE, "Node Unavailable: no heartbeat"), reply_to=messages[1])
+    fields = {f: getattr(made.metadata, f) for f in ("run_id", "message_id", "dst_node_id", "reply_to_message_id",
+                                                     "group_id", "created_at", "ttl", "message_type")}
+    dead = Message(metadata=Metadata(src_node_id=0, **fields), error=made.error)  # sender: the SuperLink, not node 2
+    arrays, _ = strategy.aggregate_train(1, [ok, dead])
+    _only_node_1(arrays.to_torch_state_dict(), model, s1)
+    status = {c["node"]: c["status"] for c in strategy.rounds[1].clients}
+    assert status == {1: "ok", 2: "no reply: timed out or node unavailable (Node Unavailable: no heartbeat)"}
