@@ -143,3 +143,41 @@ def test_same_family():
     assert same_family("topk(ratio=0.01)+qsgd(bits=4)", "topk(ratio=0.2,scope='global',index='rice')+qsgd(bits=4)")
     assert not same_family("topk(ratio=0.01)+qsgd(bits=4)", "randomk(ratio=0.01)+qsgd(bits=4)")
     assert not same_family("topk(ratio=0.01)+qsgd(bits=4)", "topk(ratio=0.01)")
+
+
+# -- client side: the whole reply, counted as the server counts it, fits the link's budget -----------
+def _build(payload: bytes, spec: str):
+    from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+    return RecordDict({
+        "fedcomp.upload": ConfigRecord({"payload": payload, "spec": spec, "link": "uplink-kbps=200 downlink-kbps=1000"}),
+        "metrics": MetricRecord({"train_loss": 0.5, "num-examples": 120}),
+    })
+
+
+@pytest.mark.parametrize("cap", [3_000, 9_999, 40_000])
+def test_budgeted_reply_fits_the_byte_cap(cap):
+    from clients.budgeting import budgeted_upload, reply_bytes
+    from simulations.links import Link
+
+    upd = {k: v for k, v in update().items() if v.is_floating_point()}
+    out = budgeted_upload("topk(ratio=0.01)+qsgd(bits=4)", upd, None, link=Link(200, 1000, 300, byte_cap=cap),
+                          download_bytes=0, compute_s=0.0, build=_build, nonce=1, round=2, state=None,
+                          error_feedback=True)
+    real = reply_bytes(out.content)
+    assert out.status == "fit" and real <= cap and real >= budget.FILL * cap
+    assert out.content["fedcomp.upload"]["payload"] == out.encoded.payload
+
+
+def test_budgeted_reply_too_small_skips_or_sends_coarsest():
+    from clients.budgeting import budgeted_upload
+    from simulations.links import Link
+
+    upd = {k: v for k, v in update().items() if v.is_floating_point()}
+    kw = dict(link=Link(200, 1000, 300, byte_cap=100), download_bytes=0, compute_s=0.0, build=_build, nonce=1,
+              round=2, state=None, error_feedback=True)
+    skipped = budgeted_upload("kbit(bits=4)", upd, None, fallback="skip", **kw)
+    assert skipped.encoded is None and skipped.status == "too-small-skipped"
+    assert all(torch.equal(skipped.residual[k], upd[k]) for k in upd)  # nothing lost: all kept for later
+    coarse = budgeted_upload("kbit(bits=4)", upd, None, fallback="coarsest", **kw)
+    assert coarse.status == "too-small-coarsest" and coarse.spec.startswith("kbit(bits=1,")
