@@ -30,10 +30,9 @@ from flwr.app import RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 import fedcomp
-from fedcomp.budget import BudgetTooSmall, fit_update
+from fedcomp.budget import FALLBACKS, BudgetTooSmall, fit_update
 from simulations import links
 
-FALLBACKS = ("skip", "coarsest")
 REFITS = 4  # fits at most per upload (the first plus corrections for the record's framing)
 
 

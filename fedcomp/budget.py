@@ -392,10 +392,25 @@ def limits(spec: str, layout: Layout, *, overhead: int = 0, measure: Callable[[C
     return min(sizes), max(sizes)
 
 
+FALLBACKS = ("skip", "coarsest")  # what a client does when even the coarsest setting is over budget
+
+
+def check_budgetable(spec: str) -> None:
+    """Raise SpecError unless a byte budget can set a free parameter of ``spec`` (a plain codec
+    spec: topk/randomk/threshold/dgc, sketch, kbit/qsgd alone, powersgd; not a policy)."""
+    from fedcomp.policy import is_policy
+
+    if is_policy(spec):
+        raise SpecError(f"upload {spec!r} is a policy; byte budgets need a plain codec spec such as "
+                        f"'topk(ratio=0.01,index=\'fixed\')+qsgd(bits=4)'")
+    _plan(_stages(spec), Layout.of({"w": torch.zeros(8, 8)}))
+
+
 def same_family(configured: str, reported: str) -> bool:
     """True when ``reported`` has the stages of ``configured`` (names in order): what a server
     accepts from a budgeted client, which may differ in the free parameters only."""
     return [s.name for s in parse_spec(configured)] == [s.name for s in parse_spec(reported)]
 
 
-__all__ = ["BLOCK_MIN", "FILL", "BudgetTooSmall", "Fit", "fit_budget", "fit_update", "limits", "same_family"]
+__all__ = ["BLOCK_MIN", "FALLBACKS", "FILL", "BudgetTooSmall", "Fit", "check_budgetable", "fit_budget", "fit_update",
+           "limits", "same_family"]

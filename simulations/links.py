@@ -305,18 +305,21 @@ def client_time(link: Link, download_bytes: int, upload_bytes: int, compute_s: f
     return ClientTime(link.download_s(download_bytes), float(compute_s), link.upload_s(upload_bytes))
 
 
-def round_time(totals: Mapping[int, float], deadline_s: float | None = None) -> tuple[float, list[int]]:
+def round_time(totals: Mapping[int, float],
+               deadline_s: float | Mapping[int, float | None] | None = None) -> tuple[float, list[int]]:
     """(simulated round seconds, dropped clients) from each participant's total seconds.
 
-    Without a deadline: the slowest client. With one: clients past it are dropped, and the
-    round lasts the deadline if any was dropped, else the slowest client.
+    ``deadline_s``: one deadline for every client, or one per client (None: that client has
+    none). Clients past their deadline are dropped at it: the round lasts as long as the slowest
+    client kept, or the latest deadline a client was dropped at, whichever is longer. Without
+    any deadline: the slowest client.
     """
     if not totals:
         return 0.0, []
-    if deadline_s is None:
-        return max(totals.values()), []
-    dropped = sorted(c for c, t in totals.items() if t > deadline_s)
-    return (float(deadline_s), dropped) if dropped else (max(totals.values()), [])
+    per = deadline_s if isinstance(deadline_s, Mapping) else dict.fromkeys(totals, deadline_s)
+    dropped = sorted(c for c, t in totals.items() if per.get(c) is not None and t > per[c])
+    ends = [t for c, t in totals.items() if c not in dropped] + [float(per[c]) for c in dropped]
+    return float(max(ends)), dropped
 
 
 __all__ = [

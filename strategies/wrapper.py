@@ -16,6 +16,15 @@ Per training round:
 
 Bytes are counted as Flower sends them: the deflated size of every object in a message's
 content tree (records, arrays, array chunks), per client.
+
+Bandwidth budgets (``link_profile``, ``round_deadline_s``; :mod:`simulations.links`): clients
+with a link fit their reply to its byte budget and report the concrete codec spec they used.
+The wrapper accepts a reported spec only of the configured family (same stages in order,
+:func:`fedcomp.budget.same_family`) and decodes each reply with it; skipped replies (budget too
+small) are not aggregated. Per client it records bytes, budget, status and simulated times
+(download of the bytes it was really sent, measured compute, upload), and per round
+``sim_time_s``: the slowest participant, or the deadline when clients past it are dropped
+(their replies are not aggregated).
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 import fedcomp
 from fedcomp import protocol as P
 from fedcomp.broadcast import Tier, parse_thresholds, parse_tiers
+from fedcomp.budget import FALLBACKS, check_budgetable, same_family
+from simulations import links
 
 
 def _metric(content: RecordDict, key: str) -> float:
@@ -60,6 +71,8 @@ class RoundStats:
     encodes: int = 0  # broadcast encodes this round: one per tier with clients, not one per client
     downloads: list[dict] = dataclasses.field(default_factory=list)  # per client: node, tier, mode, steps, bytes
     clients: list[dict] = dataclasses.field(default_factory=list)  # per client: node, bytes, status
+    links: list[dict] = dataclasses.field(default_factory=list)  # per client with a link: bytes, budget, times
+    sim_time_s: float | None = None  # simulated round time (None: no client reported a link)
 
 
 class CompressedStrategy(Strategy):
@@ -94,7 +107,8 @@ class CompressedStrategy(Strategy):
         top-k heavy hitters of the accumulated error, and zeroes momentum and error at the cells
         those coordinates hash to. Clients keep no residual (error feedback is server side); the
         inner strategy still samples clients, but its aggregation is not used; integer buffers
-        keep their broadcast values.
+        keep their broadcast values. Does not combine with budgets (clients' sketches would
+        differ in ``cols``).
     server_momentum : float (default: 0.0)
         FetchSGD's momentum rho in sketch space (``aggregation="sketch"`` only).
     delta : float (default: 0.0)
@@ -105,6 +119,19 @@ class CompressedStrategy(Strategy):
         they hold the same reference (its round); a client whose reply was dropped, or that sat
         out, sends a plain update and both sides start over. Costs one dense update per client
         on the server. 0 turns it off.
+    link_profile : str (default: ``"none"``)
+        Simulation: maps ``partition-id`` to a link (``simulations.links``): a preset
+        (``datacenter``, ``broadband``, ``4g``, ``3g-edge``), ``"mixed"``, or the path of a
+        ``.csv``/``.toml`` per-client table. Node-config link keys take precedence. ``"none"``:
+        clients without link keys have no link, no budget and no simulated time.
+    round_deadline_s : float (default: 0.0)
+        Round deadline in seconds for links without their own (0: none). Clients' byte budgets
+        come from it (what the uplink carries in the time left after download and compute);
+        clients past it are dropped and the round lasts the deadline.
+    budget_fallback : str (default: ``"skip"``)
+        A client whose budget is below the coarsest setting of the codec: ``"skip"`` (sends no
+        update, keeps it in its residual) or ``"coarsest"`` (sends the coarsest setting, over
+        budget, reported as such).
     """
 
     def __init__(
@@ -119,6 +146,9 @@ class CompressedStrategy(Strategy):
         delta: float = 0.0,
         download_tier_kbps: str = "",
         download_max_stale: int = 10,
+        link_profile: str = links.NONE,
+        round_deadline_s: float = 0.0,
+        budget_fallback: str = "skip",
     ) -> None:
         self.inner = inner
         self.upload = fedcomp.build_codec(upload)  # fails here, before any round, on a bad spec
@@ -141,6 +171,21 @@ class CompressedStrategy(Strategy):
         if delta and aggregation == "sketch":
             raise fedcomp.SpecError("delta coding needs per-client decoding; it does not combine with aggregation='sketch'")
         self.delta = delta
+        links.check_profile(link_profile)
+        if isinstance(round_deadline_s, bool) or not isinstance(round_deadline_s, (int, float)) or not (
+                0 <= round_deadline_s < float("inf")):
+            raise fedcomp.SpecError(f"round_deadline_s={round_deadline_s!r} is invalid: seconds >= 0 (0: no deadline)")
+        if budget_fallback not in FALLBACKS:
+            raise fedcomp.SpecError(f"budget_fallback={budget_fallback!r} is invalid: one of {FALLBACKS}")
+        if link_profile != links.NONE and aggregation == "sketch":
+            raise fedcomp.SpecError(
+                "budgets give clients sketches of different cols, which cannot be summed in sketch space: "
+                "use aggregation='decode' with link_profile, or link_profile='none'")
+        if round_deadline_s > 0:
+            check_budgetable(upload)  # every client with a link gets a budget: the codec needs a free parameter
+        self.link_profile = link_profile
+        self.round_deadline_s = float(round_deadline_s)
+        self.budget_fallback = budget_fallback
         self._last: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # node -> (round, its last update)
         self.aggregation = aggregation
         self.server_momentum = server_momentum
@@ -208,6 +253,9 @@ class CompressedStrategy(Strategy):
                 P.ARRAYS_KEY: array_keys[0],
                 P.DELTA: self.delta,
                 P.DELTA_REF: self._last.get(node, (0, None))[0] if self.delta else 0,
+                P.LINK_PROFILE: self.link_profile,
+                P.DEADLINE: self.round_deadline_s,
+                P.FALLBACK: self.budget_fallback,
             })
             nbytes = message_bytes(content)
             stats.download_bytes += nbytes
@@ -226,6 +274,7 @@ class CompressedStrategy(Strategy):
         dense_model_bytes = message_bytes(ArrayRecord(self._base)) if self._base else 0
         decoded_replies = []
         sketches = []  # (reply content, sketch values) for aggregation="sketch"
+        sent = {d["node"]: d["download_bytes"] for d in stats.downloads}
         for msg in replies:
             node = msg.metadata.src_node_id
             if msg.has_error():
@@ -235,7 +284,14 @@ class CompressedStrategy(Strategy):
             wire = message_bytes(msg.content)
             entry = {"node": node, "upload_bytes": wire, "status": "ok"}
             stats.upload_bytes += wire
+            timing = self._timing(msg.content, node, wire, sent.get(node, 0))
+            if timing is not None:
+                stats.links.append(timing)
             resync = self._track_reference(msg.content, node)
+            if timing is not None and timing["status"] in ("late", "too-small-skipped") and resync is None:
+                entry["status"] = timing["status"]
+                stats.clients.append(entry)
+                continue
             if resync is not None:
                 entry["status"] = f"resync: {resync}"
                 log(WARNING, "fedcomp: node %s asked for a full model in round %s: %s", node, server_round, resync)
@@ -254,6 +310,9 @@ class CompressedStrategy(Strategy):
             decoded_replies.append(msg)
             if values is not None:
                 sketches.append((content, values))
+        if stats.links:
+            stats.sim_time_s, _ = links.round_time({t["node"]: t["total_s"] for t in stats.links},
+                                                   {t["node"]: t["deadline_s"] for t in stats.links})
         if self.aggregation == "sketch":
             return self._aggregate_sketches(sketches)
         arrays, metrics = self.inner.aggregate_train(server_round, decoded_replies)
@@ -270,6 +329,45 @@ class CompressedStrategy(Strategy):
         dtypes = {t.name: t.torch_dtype for t in self._layout.tensors}
         return ArrayRecord({k: v.round().to(dtypes[k]) if v.is_floating_point() and not dtypes[k].is_floating_point
                             else v.to(dtypes[k]) for k, v in model.items()})
+
+    def _timing(self, content: RecordDict, node: int, wire: int, download_bytes: int) -> dict | None:
+        """Simulated times of one reply whose client reported a link (None: no link reported).
+
+        download = the bytes this node was sent / downlink + latency; compute as measured by
+        the client (decode, training, encode); upload = the reply's bytes / uplink + latency.
+        Status: ``late`` past the client's deadline (dropped at it), ``too-small-skipped`` /
+        ``too-small-coarsest`` as the client reported, else ``over-budget`` or ``ok``.
+        """
+        record = content.config_records.get(P.UPLOAD_RECORD)
+        if record is None or P.LINK not in record:
+            return None
+        try:
+            text = str(record[P.LINK])
+            link = links.link_from_mapping(dict(kv.split("=", 1) for kv in text.split()), f"node {node}'s link")
+            budget = int(record.get(P.BUDGET, -1))
+            compute_s = float(record.get(P.COMPUTE_S, 0.0))
+        except (ValueError, TypeError) as exc:
+            log(WARNING, "fedcomp: node %s reported a link the server cannot read (%s); no simulated time", node, exc)
+            return None
+        if link is None:
+            return None
+        t = links.client_time(link, download_bytes, wire, compute_s)
+        budget = None if budget < 0 else budget
+        status = str(record.get(P.BUDGET_STATUS, "ok"))
+        if status == "ok" and budget is not None and wire > budget:
+            status = "over-budget"  # the client reported a fit that the server counts larger: never silent
+        if link.deadline_s is not None and t.total_s > link.deadline_s:
+            status = "late"
+        if status not in ("ok", "late"):
+            log(WARNING, "fedcomp: node %s upload %s B, budget %s B: %s %s", node, wire, budget, status,
+                record.get(P.BUDGET_REASON, ""))
+        return {
+            "node": node, "link": text, "spec": str(record.get(P.SPEC, "")), "status": status,
+            "upload_bytes": wire, "budget": budget, "download_bytes": download_bytes,
+            "download_bytes_seen": int(record.get(P.DOWNLOAD_SEEN, -1)),
+            "download_s": t.download_s, "compute_s": t.compute_s, "upload_s": t.upload_s, "total_s": t.total_s,
+            "deadline_s": link.deadline_s,
+        }
 
     def _track_reference(self, content: RecordDict, node: int) -> str | None:
         """Note the tier, version and CRC of the broadcast reference a reply reports.
@@ -350,14 +448,24 @@ class CompressedStrategy(Strategy):
         payload = record[P.PAYLOAD]
         if not isinstance(payload, bytes):
             raise fedcomp.DecodeError(f"payload must be bytes, got {type(payload).__name__}")
+        spec = str(record.get(P.SPEC, self.upload.spec))
+        codec = self.upload
+        if spec != self.upload.spec:  # a budgeted client: its own free parameters (k, bits, rank, cols)
+            if not same_family(self.upload.spec, spec):
+                raise fedcomp.DecodeError(
+                    f"reported codec {spec!r} is not of the configured family {self.upload.spec!r}: a budget may "
+                    f"change the free parameters only (k, bits, block, rank, cols), not the stages")
+            codec = fedcomp.build_codec(spec)
         if self.aggregation == "sketch":
+            if codec is not self.upload:
+                raise fedcomp.DecodeError(f"sketch aggregation needs every client on {self.upload.spec!r}, got {spec!r}")
             values = self.upload.decode_values(payload, self._layout)
             if not all(bool(torch.isfinite(v).all()) for v in values):
                 raise fedcomp.FedcompError("sketch has NaN or Inf values")
             rest = RecordDict({k: v for k, v in content.items() if k != P.UPLOAD_RECORD})
             _metric(rest, getattr(self.inner, "weighted_by_key", "num-examples"))  # weight must exist
             return rest, message_bytes(rest), values
-        delta = self.upload.decode(payload, self._layout, round=server_round)
+        delta = codec.decode(payload, self._layout, round=server_round)
         for name, t in delta.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise fedcomp.FedcompError(f"update of {name!r} has NaN or Inf values")
