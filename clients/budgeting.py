@@ -89,7 +89,8 @@ def budgeted_upload(
     target = budget
     for _ in range(REFITS):
         try:
-            fit = fit_update(spec, update, target, residual, overhead=overhead, nonce=nonce, round=round,
+            # a budget of 0 B (deadline already passed) is simply too small: ask for 1 B to get the coarsest
+            fit = fit_update(spec, update, max(target, 1), residual, overhead=overhead, nonce=nonce, round=round,
                              state=state, error_feedback=error_feedback)
         except BudgetTooSmall as exc:
             return _too_small(exc, spec, update, residual, budget, build, fallback, nonce, round, state, error_feedback)

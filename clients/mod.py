@@ -20,7 +20,7 @@ parameter makes the whole reply fit the link's budget (byte cap, or what the upl
 time the round deadline leaves), and the reply reports the concrete spec, link, budget, status,
 the broadcast bytes it received and the measured seconds of decode + training + encode. The
 encode's own time is not known before the fit: the budget reserves the longest of the node's
-recent encodes. Without a link (profile 'none', no link keys) nothing of this happens.
+recent encodes (x1.5). Without a link (profile 'none', no link keys) nothing of this happens.
 
 Messages without a fedcomp record (evaluation, or a strategy that is not wrapped) pass through.
 """
@@ -39,7 +39,8 @@ from fedcomp.broadcast import ResyncNeeded, apply_plan, parse_thresholds, tier_f
 from clients.budgeting import budgeted_upload, reply_bytes
 from simulations import links
 
-ENCODE_HISTORY = 5  # recent encode times kept; the budget reserves the longest of them
+ENCODE_HISTORY = 5  # recent encode times kept; the budget reserves the longest of them (x ENCODE_MARGIN)
+ENCODE_MARGIN = 1.5
 
 
 def _torch_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
@@ -198,10 +199,13 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
 def _budgeted_reply(context, cfg, spec, link, delta, residual, state, rest, record, *, nonce, server_round,
                     use_ef, beta, last_sent, download_seen, start) -> RecordDict:
     """Step 3 for a node with a link: the reply whose whole size fits the link's budget."""
-    compute_s = perf_counter() - start  # decode + training
+    encode_start = perf_counter()
+    compute_s = encode_start - start  # decode + training
     history = [float(v) for v in context.state.config_records[P.ENCODE_STATE]["s"]] if (
         P.ENCODE_STATE in context.state.config_records) else []
-    reserve = max(history, default=0.0)  # this round's encode time is not known yet
+    # this round's encode time is not known yet: reserve 1.5x the longest recent one (first round:
+    # as long as decode + training took) so a noisy encode does not push the node past its deadline
+    reserve = ENCODE_MARGIN * max(history) if history else compute_s
 
     def build(payload: bytes, used: str) -> RecordDict:
         content = RecordDict(dict(rest.items()))
@@ -214,7 +218,6 @@ def _budgeted_reply(context, cfg, spec, link, delta, residual, state, rest, reco
 
     budget = links.upload_budget(link, download_seen, compute_s + reserve)
     budget_value = -1 if budget is None else int(budget)
-    encode_start = perf_counter()
     try:
         result = budgeted_upload(
             spec, delta, residual, link=link, download_bytes=download_seen, compute_s=compute_s + reserve,
@@ -232,7 +235,7 @@ def _budgeted_reply(context, cfg, spec, link, delta, residual, state, rest, reco
                 for k, v in result.encoded.decoded.items() if v.is_floating_point()}
         context.state[P.LAST_SENT_STATE] = ArrayRecord({k: v.cpu() for k, v in sent.items()})
         context.state[P.LAST_ROUND_STATE] = ConfigRecord({"round": server_round})
-    encode_s = perf_counter() - encode_start
+    encode_s = perf_counter() - encode_start  # the fit's search included: the client pays for it
     context.state[P.ENCODE_STATE] = ConfigRecord({"s": (history + [encode_s])[-ENCODE_HISTORY:]})
     if result.content is None:  # skipped: no payload, the update stays in the residual
         content = RecordDict(dict(rest.items()))
@@ -246,5 +249,5 @@ def _budgeted_reply(context, cfg, spec, link, delta, residual, state, rest, reco
         if result.status == "too-small-coarsest":  # over budget anyway: say so (fits report nothing extra)
             content[P.UPLOAD_RECORD][P.BUDGET_STATUS] = result.status
             content[P.UPLOAD_RECORD][P.BUDGET_REASON] = str(result.info.get("reason", ""))
-    content[P.UPLOAD_RECORD][P.COMPUTE_S] = float(perf_counter() - start)
+    content[P.UPLOAD_RECORD][P.COMPUTE_S] = float(compute_s + encode_s)
     return content
