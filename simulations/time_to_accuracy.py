@@ -21,7 +21,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["budget_violations", "load_run", "plot_time_to_accuracy", "series", "time_to"]
+__all__ = ["budget_violations", "late", "load_run", "plot_time_to_accuracy", "series", "skipped", "time_to"]
 
 
 def load_run(item: str | pathlib.Path) -> tuple[str, dict]:
@@ -53,14 +53,31 @@ def time_to(rounds: Sequence[Mapping[str, Any]], target: float) -> float | None:
 
 
 def budget_violations(rounds: Sequence[Mapping[str, Any]]) -> list[tuple[int, Any, int, int]]:
-    """(round, client, upload bytes, budget) for every upload larger than its budget."""
+    """(round, client, upload bytes, budget) for every upload larger than its budget.
+
+    A client that skipped the round (status ``too-small-skipped``: its budget was below the
+    codec's smallest message) sent no update, only the status reply Flower needs; those are
+    counted by :func:`skipped`, not here. ``too-small-coarsest`` uploads do count here.
+    """
     out = []
     for record in rounds:
         for c in record.get("links") or []:
+            if c.get("status") == "too-small-skipped":
+                continue
             b = c.get("budget")
             if b is not None and c.get("upload_bytes") is not None and int(c["upload_bytes"]) > int(b):
                 out.append((int(record["round"]), c.get("node"), int(c["upload_bytes"]), int(b)))
     return out
+
+
+def skipped(rounds: Sequence[Mapping[str, Any]]) -> int:
+    """Client-rounds skipped because the budget was too small even for the coarsest setting."""
+    return sum(1 for record in rounds for c in record.get("links") or [] if c.get("status") == "too-small-skipped")
+
+
+def late(rounds: Sequence[Mapping[str, Any]]) -> int:
+    """Client-rounds dropped at the deadline."""
+    return sum(1 for record in rounds for c in record.get("links") or [] if c.get("status") == "late")
 
 
 def plot_time_to_accuracy(runs: Mapping[str, Sequence[Mapping[str, Any]]], path, *, target: float | None = None,
@@ -101,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = {f"{dense_label} (dense)": dense["rounds"]}
     t_dense = time_to(dense["rounds"], target)
     print(f"target accuracy {100 * target:.2f}% (dense final {100 * (target + args.margin):.2f}% - {100 * args.margin:.0f} points)")
-    print(f"{'run':55s} {'final acc':>9s} {'time to target':>15s} {'speed-up':>9s} {'over budget':>11s}")
+    print(f"{'run':55s} {'final acc':>9s} {'time to target':>15s} {'speed-up':>9s} {'over budget':>11s} "
+          f"{'skipped':>7s} {'late':>5s} {'uploads':>7s}")
     status = 0
     for label, data in [(dense_label + " (dense)", dense)] + [load_run(r) for r in args.runs]:
         rounds = data["rounds"]
@@ -111,7 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         status |= bool(bad)
         speed = f"{t_dense / t:.1f}x" if t and t_dense else "-"
         t_text = f"{t:.1f} s" if t is not None else "never"
-        print(f"{label:55s} {100 * rounds[-1]['accuracy']:8.2f}% {t_text:>15s} {speed:>9s} {len(bad):>11d}")
+        uploads = sum(len(r.get("links") or []) for r in rounds)
+        print(f"{label:55s} {100 * rounds[-1]['accuracy']:8.2f}% {t_text:>15s} {speed:>9s} {len(bad):>11d} "
+              f"{skipped(rounds):>7d} {late(rounds):>5d} {uploads:>7d}")
     print(plot_time_to_accuracy(runs, args.out, target=target))
     return status
 

@@ -225,3 +225,20 @@ def test_download_tier_follows_the_link():
 def test_wrapper_refuses_bad_budget_settings(kwargs, match):
     with pytest.raises(fedcomp.FedcompError, match=match):
         _strategy(**kwargs)
+
+
+def test_results_checks_from_round_records():
+    from simulations.time_to_accuracy import budget_violations, late, series, skipped, time_to
+
+    rounds = [
+        {"round": 1, "accuracy": 0.5, "sim_time_s": 2.0, "links": [
+            {"node": 1, "upload_bytes": 100, "budget": 100, "status": "ok"},
+            {"node": 2, "upload_bytes": 300, "budget": 0, "status": "too-small-skipped"}]},
+        {"round": 2, "accuracy": 0.9, "sim_time_s": 1.5, "links": [
+            {"node": 1, "upload_bytes": 101, "budget": 100, "status": "too-small-coarsest"},
+            {"node": 2, "upload_bytes": 90, "budget": 100, "status": "late"}]},
+    ]
+    assert budget_violations(rounds) == [(2, 1, 101, 100)]  # coarsest fallbacks count, skipped replies not
+    assert skipped(rounds) == 1 and late(rounds) == 1
+    assert series(rounds) == ([2.0, 3.5], [50.0, 90.0])
+    assert time_to(rounds, 0.9) == 3.5 and time_to(rounds, 0.95) is None
