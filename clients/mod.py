@@ -76,11 +76,16 @@ def desired_tier(context: Context, tiers: int, thresholds: str, link: links.Link
 
 
 def node_link(context: Context, cfg) -> links.Link | None:
-    """This node's link: node-config link keys first, else the run's link profile (sent in the
-    broadcast) for its partition; the run's round deadline where the link has none. None: no link."""
+    """This node's link: node-config link keys first (``uplink-kbps`` or ``link=<preset>``; a
+    ``downlink-kbps`` alone only picks the download tier), else the run's link profile (sent in
+    the broadcast) for its partition; the run's round deadline where the link has none. None: no link."""
     profile = str(cfg.get(P.LINK_PROFILE, links.NONE))
+    config = context.node_config
+    if "link" not in config and "uplink-kbps" not in config:
+        # downlink-kbps alone only picks the download tier (no uplink: no link, no budget)
+        config = {k: v for k, v in config.items() if k not in ("downlink-kbps", "latency-ms")}
     try:
-        link = links.resolve_link(context.node_config, profile, seed=int(cfg[P.SEED]))
+        link = links.resolve_link(config, profile, seed=int(cfg[P.SEED]))
     except links.LinkError as exc:
         raise RuntimeError(f"fedcomp could not resolve this node's link: {exc}") from exc
     if link is None:
