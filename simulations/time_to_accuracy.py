@@ -77,7 +77,7 @@ def skipped(rounds: Sequence[Mapping[str, Any]]) -> int:
 
 def late(rounds: Sequence[Mapping[str, Any]]) -> int:
     """Client-rounds dropped at the deadline."""
-    return sum(1 for record in rounds for c in record.get("links") or [] if c.get("status") == "late")
+    return sum(1 for record in rounds for c in record.get("links") or [] if c.get("late"))
 
 
 def plot_time_to_accuracy(runs: Mapping[str, Sequence[Mapping[str, Any]]], path, *, target: float | None = None,

@@ -288,8 +288,8 @@ class CompressedStrategy(Strategy):
             if timing is not None:
                 stats.links.append(timing)
             resync = self._track_reference(msg.content, node)
-            if timing is not None and timing["status"] in ("late", "too-small-skipped") and resync is None:
-                entry["status"] = timing["status"]
+            if timing is not None and (timing["late"] or timing["status"] == "too-small-skipped") and resync is None:
+                entry["status"] = "late" if timing["late"] else timing["status"]
                 stats.clients.append(entry)
                 continue
             if resync is not None:
@@ -335,8 +335,8 @@ class CompressedStrategy(Strategy):
 
         download = the bytes this node was sent / downlink + latency; compute as measured by
         the client (decode, training, encode); upload = the reply's bytes / uplink + latency.
-        Status: ``late`` past the client's deadline (dropped at it), ``too-small-skipped`` /
-        ``too-small-coarsest`` as the client reported, else ``over-budget`` or ``ok``.
+        Status: ``too-small-skipped`` / ``too-small-coarsest`` as the client reported, else
+        ``over-budget`` or ``ok``; ``late``: past the client's deadline (dropped at it).
         """
         record = content.config_records.get(P.UPLOAD_RECORD)
         if record is None or P.LINK not in record:
@@ -356,13 +356,12 @@ class CompressedStrategy(Strategy):
         status = str(record.get(P.BUDGET_STATUS, "ok"))
         if status == "ok" and budget is not None and wire > budget:
             status = "over-budget"  # the client reported a fit that the server counts larger: never silent
-        if link.deadline_s is not None and t.total_s > link.deadline_s:
-            status = "late"
-        if status not in ("ok", "late"):
+        late = link.deadline_s is not None and t.total_s > link.deadline_s
+        if status != "ok":
             log(WARNING, "fedcomp: node %s upload %s B, budget %s B: %s %s", node, wire, budget, status,
                 record.get(P.BUDGET_REASON, ""))
         return {
-            "node": node, "link": text, "spec": str(record.get(P.SPEC, "")), "status": status,
+            "node": node, "link": text, "spec": str(record.get(P.SPEC, "")), "status": status, "late": late,
             "upload_bytes": wire, "budget": budget, "download_bytes": download_bytes,
             "download_bytes_seen": int(record.get(P.DOWNLOAD_SEEN, -1)),
             "download_s": t.download_s, "compute_s": t.compute_s, "upload_s": t.upload_s, "total_s": t.total_s,

@@ -88,7 +88,7 @@ def test_every_upload_within_its_budget_every_round(monkeypatch):
             assert entry["budget"] is not None
             assert entry["upload_bytes"] <= entry["budget"], entry
             assert entry["download_bytes"] == entry["download_bytes_seen"]  # client and server count alike
-            assert entry["status"] == "ok"
+            assert entry["status"] == "ok" and not entry["late"]
         by_node = {e["node"]: e for e in stats.links}
         for node, cap in caps.items():
             assert by_node[node]["budget"] <= cap
@@ -147,7 +147,9 @@ def test_late_client_dropped_at_the_deadline_round_lasts_the_deadline(monkeypatc
     stats = strategy.rounds[1]
     status = {c["node"]: c["status"] for c in stats.clients}
     # node 2's budget: the deadline had passed before the upload (0 bytes): skipped, and late
-    assert status[2] in ("late", "too-small-skipped")
+    entry2 = {e["node"]: e for e in stats.links}[2]
+    assert entry2["budget"] == 0 and entry2["status"] == "too-small-skipped" and entry2["late"]
+    assert status[2] == "late"
     assert status[1] == "ok"
     assert stats.sim_time_s == pytest.approx(max(10.0, {e["node"]: e for e in stats.links}[1]["total_s"]))
     assert links.round_time({1: 3.0, 2: 12.0}, {1: None, 2: 10.0}) == (10.0, [2])
@@ -233,10 +235,10 @@ def test_results_checks_from_round_records():
     rounds = [
         {"round": 1, "accuracy": 0.5, "sim_time_s": 2.0, "links": [
             {"node": 1, "upload_bytes": 100, "budget": 100, "status": "ok"},
-            {"node": 2, "upload_bytes": 300, "budget": 0, "status": "too-small-skipped"}]},
+            {"node": 2, "upload_bytes": 300, "budget": 0, "status": "too-small-skipped", "late": True}]},
         {"round": 2, "accuracy": 0.9, "sim_time_s": 1.5, "links": [
             {"node": 1, "upload_bytes": 101, "budget": 100, "status": "too-small-coarsest"},
-            {"node": 2, "upload_bytes": 90, "budget": 100, "status": "late"}]},
+            {"node": 2, "upload_bytes": 90, "budget": 100, "status": "ok", "late": True}]},
     ]
     assert budget_violations(rounds) == [(2, 1, 101, 100)]  # coarsest fallbacks count, skipped replies not
     assert skipped(rounds) == 1 and late(rounds) == 1
