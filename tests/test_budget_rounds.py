@@ -241,6 +241,6 @@ def test_results_checks_from_round_records():
             {"node": 2, "upload_bytes": 90, "budget": 100, "status": "ok", "late": True}]},
     ]
     assert budget_violations(rounds) == [(2, 1, 101, 100)]  # coarsest fallbacks count, skipped replies not
-    assert skipped(rounds) == 1 and late(rounds) == 1
+    assert skipped(rounds) == 1 and late(rounds) == 2
     assert series(rounds) == ([2.0, 3.5], [50.0, 90.0])
     assert time_to(rounds, 0.9) == 3.5 and time_to(rounds, 0.95) is None
