@@ -45,6 +45,7 @@ from fedcomp import protocol as P
 from fedcomp.broadcast import Tier, parse_thresholds, parse_tiers
 from fedcomp.budget import FALLBACKS, check_budgetable, same_family
 from simulations import links
+from strategies.streaming import RunningMean, StreamingGrid, can_stream
 
 
 def _metric(content: RecordDict, key: str) -> float:
@@ -75,6 +76,20 @@ class RoundStats:
     sim_time_s: float | None = None  # simulated round time (None: no client reported a link)
 
 
+@dataclasses.dataclass
+class _RoundState:
+    """Replies of the round in progress, as they are received."""
+
+    round: int
+    running: RunningMean | None = None  # weighted mean of updates (streamable inner strategies)
+    message_type: str = "train"
+    arrays_key: str = ""
+    seen: dict[int, Message] = dataclasses.field(default_factory=dict)  # replies already received, by identity
+    collected: list[Message] = dataclasses.field(default_factory=list)  # rebuilt replies for the inner strategy
+    metrics: list[RecordDict] = dataclasses.field(default_factory=list)  # non-model records (running mean)
+    sketches: list[tuple[RecordDict, list[torch.Tensor]]] = dataclasses.field(default_factory=list)
+
+
 class CompressedStrategy(Strategy):
     """Compress broadcasts and replies of any Flower strategy.
 
@@ -92,6 +107,12 @@ class CompressedStrategy(Strategy):
         ``download_tier_kbps``, else (simulation) ``partition-id`` modulo the number of tiers.
     download_tier_kbps : str (default: ``""``)
         Downlink kbps thresholds between tiers, ascending, e.g. ``"1000,8000"`` for three tiers.
+    streaming : bool (default: True)
+        Decode each reply as it arrives and, where the inner strategy's aggregate is a weighted
+        mean (FedAvg, FedProx, FedAvgM, FedAdam, FedAdagrad, FedYogi), add it to a running mean
+        instead of keeping every client's model (:mod:`strategies.streaming`). Other inner
+        strategies get all decoded replies at the end (logged). ``False``: decode everything
+        when the last reply is in, as Flower's loop does.
     download_max_stale : int (default: 10)
         A client more than this many steps of its tier behind (missed rounds) gets the full
         reference instead of a catch-up chain.
@@ -149,8 +170,12 @@ class CompressedStrategy(Strategy):
         link_profile: str = links.NONE,
         round_deadline_s: float = 0.0,
         budget_fallback: str = "skip",
+        streaming: bool = True,
     ) -> None:
         self.inner = inner
+        self.streaming = bool(streaming)
+        self._round_state: _RoundState | None = None
+        self._dense_model_bytes = 0
         self.upload = fedcomp.build_codec(upload)  # fails here, before any round, on a bad spec
         if isinstance(download_max_stale, bool) or not isinstance(download_max_stale, int) or download_max_stale < 1:
             raise fedcomp.SpecError(f"download_max_stale={download_max_stale!r} is invalid: it must be a positive integer")
@@ -204,6 +229,9 @@ class CompressedStrategy(Strategy):
     def summary(self) -> None:
         log(INFO, "fedcomp: upload %s, download %s, error feedback %s, aggregation %s", self.upload.spec,
             " | ".join(t.codec.spec for t in self.tiers), "on" if self.error_feedback else "off", self.aggregation)
+        if self.streaming and self.aggregation == "decode" and not can_stream(self.inner):
+            log(INFO, "fedcomp: %s needs every reply at once: replies are decoded as they arrive, then collected",
+                type(self.inner).__name__)
         self.inner.summary()
 
     # -- training ---------------------------------------------------------------------------
@@ -217,6 +245,7 @@ class CompressedStrategy(Strategy):
         model = dict(arrays.to_torch_state_dict())
         self._layout = fedcomp.Layout.of(model)
         self._base = {k: v.detach().cpu() for k, v in model.items()}
+        self._dense_model_bytes = message_bytes(ArrayRecord(self._base))
         for tier in self.tiers:
             if tier.reference is None:  # all tiers start from the same model: early tier changes are cheap
                 tier.start(model)
@@ -265,57 +294,127 @@ class CompressedStrategy(Strategy):
                                     "download_bytes": nbytes})
             out.append(Message(content=content, dst_node_id=node,
                                message_type=msg.metadata.message_type, group_id=msg.metadata.group_id))
+            state = self._state(server_round)
+            state.arrays_key, state.message_type = array_keys[0], msg.metadata.message_type
         return out
+
+    def start(self, grid: Grid, *args, **kwargs):
+        """Flower's round loop, with replies decoded as they arrive (:mod:`strategies.streaming`)."""
+        if self.streaming:
+            grid = StreamingGrid(grid, self._on_reply)
+        return super().start(grid, *args, **kwargs)
+
+    def _on_reply(self, msg: Message) -> None:
+        if self._round_state is not None and msg.metadata.message_type == self._round_state.message_type:
+            self._receive(self._round_state.round, msg)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        for msg in replies:  # those not streamed in already
+            self._receive(server_round, msg)
+        state = self._state(server_round)
+        self._round_state = None
         stats = self.rounds.setdefault(server_round, RoundStats())
-        dense_model_bytes = message_bytes(ArrayRecord(self._base)) if self._base else 0
-        decoded_replies = []
-        sketches = []  # (reply content, sketch values) for aggregation="sketch"
-        sent = {d["node"]: d["download_bytes"] for d in stats.downloads}
-        for msg in replies:
-            node = msg.metadata.src_node_id
-            if msg.has_error():
-                stats.clients.append({"node": node, "status": f"error: {msg.error.reason}"})
-                decoded_replies.append(msg)  # the inner strategy counts and logs failures
-                continue
-            wire = message_bytes(msg.content)
-            entry = {"node": node, "upload_bytes": wire, "status": "ok"}
-            stats.upload_bytes += wire
-            timing = self._timing(msg.content, node, wire, sent.get(node, 0))
-            if timing is not None:
-                stats.links.append(timing)
-            resync = self._track_reference(msg.content, node)
-            if timing is not None and (timing["late"] or timing["status"] == "too-small-skipped") and resync is None:
-                entry["status"] = "late" if timing["late"] else timing["status"]
-                stats.clients.append(entry)
-                continue
-            if resync is not None:
-                entry["status"] = f"resync: {resync}"
-                log(WARNING, "fedcomp: node %s asked for a full model in round %s: %s", node, server_round, resync)
-                stats.clients.append(entry)
-                continue
-            try:
-                content, other_bytes, values = self._decode_reply(msg.content, server_round, node)
-            except (fedcomp.FedcompError, KeyError, TypeError) as exc:
-                entry["status"] = f"dropped: {exc}"
-                log(WARNING, "fedcomp: dropping reply of node %s in round %s: %s", node, server_round, exc)
-                stats.clients.append(entry)
-                continue
-            stats.upload_bytes_dense += other_bytes + dense_model_bytes
-            stats.clients.append(entry)
-            msg.content = content
-            decoded_replies.append(msg)
-            if values is not None:
-                sketches.append((content, values))
         if stats.links:
             stats.sim_time_s, _ = links.round_time({t["node"]: t["total_s"] for t in stats.links},
                                                    {t["node"]: t["deadline_s"] for t in stats.links})
         if self.aggregation == "sketch":
-            return self._aggregate_sketches(sketches)
-        arrays, metrics = self.inner.aggregate_train(server_round, decoded_replies)
+            return self._aggregate_sketches(state.sketches)
+        if state.running is None:
+            arrays, metrics = self.inner.aggregate_train(server_round, state.collected)
+            return self._as_layout(arrays), metrics
+        return self._finish_mean(server_round, state)
+
+    def _state(self, server_round: int) -> _RoundState:
+        if self._round_state is None or self._round_state.round != server_round:
+            self._round_state = _RoundState(server_round, running=RunningMean() if self._mean_ready() else None)
+        return self._round_state
+
+    def _mean_ready(self) -> bool:
+        return self.aggregation == "decode" and can_stream(self.inner) and self.streaming
+
+    def _receive(self, server_round: int, msg: Message) -> None:
+        """Count, check and decode one reply, and add it to the round's aggregate (once per reply)."""
+        state = self._state(server_round)
+        if id(msg) in state.seen:  # the grid streamed it in; Flower's loop passes it again
+            return
+        state.seen[id(msg)] = msg
+        stats = self.rounds.setdefault(server_round, RoundStats())
+        node = msg.metadata.src_node_id
+        if msg.has_error():
+            stats.clients.append({"node": node, "status": f"error: {msg.error.reason}"})
+            if state.running is None:
+                state.collected.append(msg)  # the inner strategy counts and logs failures
+            return
+        wire = message_bytes(msg.content)
+        entry = {"node": node, "upload_bytes": wire, "status": "ok"}
+        stats.upload_bytes += wire
+        stats.clients.append(entry)
+        sent = next((d["download_bytes"] for d in stats.downloads if d["node"] == node), 0)
+        timing = self._timing(msg.content, node, wire, sent)
+        if timing is not None:
+            stats.links.append(timing)
+        resync = self._track_reference(msg.content, node)
+        if timing is not None and (timing["late"] or timing["status"] == "too-small-skipped") and resync is None:
+            entry["status"] = "late" if timing["late"] else timing["status"]
+            return
+        if resync is not None:
+            entry["status"] = f"resync: {resync}"
+            log(WARNING, "fedcomp: node %s asked for a full model in round %s: %s", node, server_round, resync)
+            return
+        try:
+            rest, other_bytes, arrays_key, decoded = self._decode_reply(msg.content, server_round, node)
+            weight = _metric(rest, self._weight_key()) if state.running is not None else None
+        except (fedcomp.FedcompError, KeyError, TypeError) as exc:
+            entry["status"] = f"dropped: {exc}"
+            log(WARNING, "fedcomp: dropping reply of node %s in round %s: %s", node, server_round, exc)
+            return
+        stats.upload_bytes_dense += other_bytes + self._dense_model_bytes
+        if self.aggregation == "sketch":
+            state.sketches.append((rest, decoded))
+        elif state.running is not None:
+            state.running.add(decoded, weight)
+            state.metrics.append(rest)
+        else:
+            rest[arrays_key] = ArrayRecord(self._rebuild(decoded))
+            msg.content = rest
+            state.collected.append(msg)
+
+    def _weight_key(self) -> str:
+        return getattr(self.inner, "weighted_by_key", "num-examples")
+
+    def _rebuild(self, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``model_i = base + update_i`` in the model's dtypes."""
+        return {name: (self._base[name].float() + delta[name].float()).to(self._base[name].dtype)
+                if self._base[name].is_floating_point() else self._base[name] + delta[name].to(self._base[name].dtype)
+                for name in self._layout.names}
+
+    def _finish_mean(self, server_round: int, state: _RoundState) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Hand the inner strategy one reply holding the weighted mean model (its weight is the
+        total, so FedAvg returns it unchanged and FedAdam & co. step from it); metrics are the
+        inner strategy's aggregate of every reply's metrics."""
+        running = state.running
+        assert running is not None
+        if running.count == 0 or running.weight <= 0:
+            log(WARNING, "fedcomp: no usable replies in round %s", server_round)
+            return None, None
+        mean = running.mean()
+        model = {}
+        for name in self._layout.names:
+            base = self._base[name]
+            if base.is_floating_point():
+                model[name] = (base.float() + mean[name]).to(base.dtype)
+            else:  # FedAvg averages integer buffers as floats; _as_layout rounds them back
+                model[name] = base.double() + mean[name]
+        key = self._weight_key()
+        arrays_key = state.arrays_key or "arrays"
+        metric_aggr = getattr(self.inner, "train_metrics_aggr_fn", None)
+        metrics = metric_aggr(state.metrics, key) if metric_aggr is not None else None
+        merged = Message(RecordDict({arrays_key: ArrayRecord(model), "metrics": MetricRecord({key: running.weight})}),
+                         dst_node_id=0, message_type="train")
+        log(INFO, "fedcomp: round %s aggregated %d replies as they arrived", server_round, running.count)
+        arrays, _ = self.inner.aggregate_train(server_round, [merged])
         return self._as_layout(arrays), metrics
 
     def _as_layout(self, arrays: ArrayRecord | None) -> ArrayRecord | None:
@@ -436,9 +535,9 @@ class CompressedStrategy(Strategy):
 
     def _decode_reply(
         self, content: RecordDict, server_round: int, node: int
-    ) -> tuple[RecordDict, int, list[torch.Tensor] | None]:
-        """The reply as the inner strategy expects it, the bytes of its non-model records, and
-        (sketch aggregation) the undecoded sketch values."""
+    ) -> tuple[RecordDict, int, str, dict[str, torch.Tensor] | list[torch.Tensor]]:
+        """The reply's other records, their bytes, the name of the model's ArrayRecord, and the
+        decoded update (sketch aggregation: the undecoded sketch values)."""
         if P.UPLOAD_RECORD not in content.config_records:
             raise fedcomp.DecodeError(f"reply has no {P.UPLOAD_RECORD!r} record (is compression_mod installed on the client?)")
         if self._layout is None:
@@ -462,8 +561,8 @@ class CompressedStrategy(Strategy):
             if not all(bool(torch.isfinite(v).all()) for v in values):
                 raise fedcomp.FedcompError("sketch has NaN or Inf values")
             rest = RecordDict({k: v for k, v in content.items() if k != P.UPLOAD_RECORD})
-            _metric(rest, getattr(self.inner, "weighted_by_key", "num-examples"))  # weight must exist
-            return rest, message_bytes(rest), values
+            _metric(rest, self._weight_key())  # weight must exist
+            return rest, message_bytes(rest), str(record[P.ARRAYS_KEY]), values
         delta = codec.decode(payload, self._layout, round=server_round)
         for name, t in delta.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -478,13 +577,8 @@ class CompressedStrategy(Strategy):
                     )
                 delta = {k: v + self.delta * held[1][k] if k in held[1] else v for k, v in delta.items()}
             self._last[node] = (server_round, {k: v for k, v in delta.items() if v.is_floating_point()})
-        model = {name: (self._base[name].float() + delta[name].float()).to(self._base[name].dtype)
-                 if self._base[name].is_floating_point() else self._base[name] + delta[name]
-                 for name in self._layout.names}
         rest = RecordDict({k: v for k, v in content.items() if k != P.UPLOAD_RECORD})
-        other_bytes = message_bytes(rest)
-        rest[str(record[P.ARRAYS_KEY])] = ArrayRecord(model)
-        return rest, other_bytes, None
+        return rest, message_bytes(rest), str(record[P.ARRAYS_KEY]), delta
 
     # -- federated evaluation: passed through uncompressed (the project's app evaluates centrally) --
     def configure_evaluate(
