@@ -189,6 +189,9 @@ BAD_RUN_CONFIG = {
     "download": ("gzip()", "unknown codec 'gzip'"),
     "download-tier-kbps": ("8000,1000", "ascending"),
     "download-max-stale": (0, "a positive integer"),
+    "link-profile": ("5g-dream", "link-profile='5g-dream' is invalid"),
+    "round-deadline-s": (-1.0, "seconds >= 0"),
+    "budget-fallback": ("retry", "one of"),
     "error-feedback": ("yes", "true or false"),
     "out-dir": ("  ", "a directory path"),
     "aggregation": ("mean", "'auto', 'decode' or 'sketch'"),
@@ -574,3 +577,20 @@ def test_superlink_error_for_a_dead_node_is_recorded_under_that_node():
     _only_node_1(arrays.to_torch_state_dict(), model, s1)
     status = {c["node"]: c["status"] for c in strategy.rounds[1].clients}
     assert status == {1: "ok", 2: "no reply: timed out or node unavailable (Node Unavailable: no heartbeat)"}
+
+
+def test_streamed_mean_does_not_depend_on_arrival_order():
+    """Streaming aggregation adds replies as they arrive; its float64 sum of weight x fp32 values
+    is exact here, so any arrival order gives the same bits."""
+    from strategies.streaming import RunningMean
+
+    g = torch.Generator().manual_seed(1)
+    updates = [({"w": torch.randn(4000, generator=g) * 0.01 * (1 + i), "n": torch.tensor([i])}, 30.0 + 7 * i)
+               for i in range(8)]
+    means = []
+    for order in (updates, updates[::-1], updates[3:] + updates[:3]):
+        running = RunningMean()
+        for update, weight in order:
+            running.add(update, weight)
+        means.append(running.mean())
+    assert all(torch.equal(m["w"], means[0]["w"]) and torch.equal(m["n"], means[0]["n"]) for m in means[1:])
