@@ -190,3 +190,37 @@ def test_payload_bytes_are_never_unpickled():
     with pytest.raises(fedcomp.DecodeError):
         target.codec.decode(framed, target.layout)
     assert zlib.crc32(b"") == 0  # fix_crc relies on zlib's CRC32, as the wire format does
+
+
+# -- budgeted clients declare their codec's free parameters: a hostile declaration is dropped -----
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(ratio=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 10**12)),
+       bits=st.integers(-3, 2**40), bucket=st.integers(-3, 2**40), encode_declared=st.booleans())
+def test_declared_codec_parameters_are_dropped_or_decoded_never_raise(ratio, bits, bucket, encode_declared):
+    from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+    from flwr.serverapp.strategy import FedAvg
+
+    from clients.mod import compression_mod
+    from conftest import FakeGrid
+    from fedcomp import protocol as P
+    from strategies.wrapper import CompressedStrategy
+    from test_faults import _app, _model, _shift
+
+    declared = f"topk(ratio={ratio!r})+qsgd(bits={bits}, bucket={bucket})".replace("nan", "x").replace("inf", "y")
+    model = _model()
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=1, min_train_nodes=1), upload="topk(ratio=0.1)+qsgd(bits=4)")
+    msg = list(strategy.configure_train(1, ArrayRecord(model), ConfigRecord({}), FakeGrid([1])))[0]
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    reply = compression_mod(msg, context, _app(_shift(1)))
+    record = reply.content.config_records[P.UPLOAD_RECORD]
+    record[P.SPEC] = declared
+    if encode_declared:
+        try:
+            delta = {k: v.float() if v.is_floating_point() else v for k, v in _shift(1).items()}
+            record[P.PAYLOAD] = fedcomp.build_codec(declared).encode(delta).payload
+        except fedcomp.FedcompError:
+            pass
+    with fuzz.allocation_guard(64 * (fedcomp.Layout.of(model).numel + 8 * len(record[P.PAYLOAD]) + 1024)):
+        strategy.aggregate_train(1, [reply])
+    status = strategy.rounds[1].clients[0]["status"]
+    assert status == "ok" or status.startswith("dropped: "), status
