@@ -28,6 +28,7 @@ CONFIG_KEYS = (
     "num-server-rounds", "fraction-train", "model", "local-epochs", "lr", "batch-size", "seed",
     "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum", "delta",
     "download-tier-kbps", "download-max-stale", "link-profile", "round-deadline-s", "budget-fallback",
+    "streaming",
     "max-update-norm", "faults", "round-timeout",
 )
 
@@ -84,6 +85,7 @@ def validate_run_config(run_config) -> dict:
         raise ValueError(f"run config link-profile={cfg['link-profile']!r} is invalid: {exc}") from None
     _check(cfg, "round-deadline-s", float, "seconds >= 0 (0: no deadline)", lambda v: 0 <= v < float("inf"))
     _check(cfg, "budget-fallback", str, f"one of {FALLBACKS}", lambda v: v in FALLBACKS)
+    _check(cfg, "streaming", bool, "true or false", lambda v: True)
     if cfg["link-profile"] != links.NONE and _aggregation(cfg) == "sketch":
         raise ValueError(f"run config link-profile={cfg['link-profile']!r} needs aggregation='decode': budgets give "
                          f"clients sketches of different cols, which cannot be summed in sketch space")
@@ -128,6 +130,7 @@ def main(grid: Grid, context: Context) -> None:
         link_profile=str(cfg["link-profile"]),
         round_deadline_s=float(cfg["round-deadline-s"]),
         budget_fallback=str(cfg["budget-fallback"]),
+        streaming=bool(cfg["streaming"]),
         max_update_norm=float(cfg["max-update-norm"]),
     )
     rounds: list[dict] = []

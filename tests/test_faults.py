@@ -192,6 +192,7 @@ BAD_RUN_CONFIG = {
     "link-profile": ("5g-dream", "link-profile='5g-dream' is invalid"),
     "round-deadline-s": (-1.0, "seconds >= 0"),
     "budget-fallback": ("retry", "one of"),
+    "streaming": ("yes", "true or false"),
     "error-feedback": ("yes", "true or false"),
     "out-dir": ("  ", "a directory path"),
     "aggregation": ("mean", "'auto', 'decode' or 'sketch'"),
