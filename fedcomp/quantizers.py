@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fedcomp.base import Quantizer, block_size, blocks, register
-from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits
+from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits, unpack_codes
 from fedcomp.errors import DecodeError
 from fedcomp.wire import Reader, Writer
 
@@ -32,6 +32,26 @@ def _block_counts(count: int, block: int, device: torch.device) -> torch.Tensor:
     if nb and count % size:
         sizes[-1] = count % size
     return sizes
+
+
+def _per_block_(y: torch.Tensor, block: int, mul: torch.Tensor | None, add: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: y[j] = y[j] * mul[b] (+ add[b]) for each element j of block b (block 0: one
+    block). Broadcast per block instead of repeating the parameters to full length."""
+    m = y.numel()
+    size = block_size(m, block)
+    full = (m // size) * size
+    nfull = full // size
+    head = y[:full].view(nfull, size)
+    if mul is not None:
+        head.mul_(mul[:nfull, None])
+    if add is not None:
+        head.add_(add[:nfull, None])
+    if full < m:
+        if mul is not None:
+            y[full:].mul_(mul[nfull])
+        if add is not None:
+            y[full:].add_(add[nfull])
+    return y
 
 
 def _uniform(shape: torch.Size, gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -244,21 +264,21 @@ class KBit(Quantizer):
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         t = (rows - lo[:, None]) / safe[:, None]
         t = torch.floor(t + _uniform(t.shape, gen, x.device)) if self.config.stochastic else torch.round(t)
-        q = t.clamp_(0, levels).reshape(-1)[:m]
+        q = t.clamp_(0, levels).reshape(-1)[:m].to(torch.uint8)
         out.tensor(torch.stack([lo, scale], dim=1))
-        out.tensor(pack_bits(q.to(torch.int64), self.config.bits))
+        out.tensor(pack_bits(q, self.config.bits))
         return self._values(q, lo, scale, m)
 
     def _values(self, q: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, m: int) -> torch.Tensor:
-        per = block_size(m, self.config.block)
-        return q * scale.repeat_interleave(per)[:m] + lo.repeat_interleave(per)[:m]
+        """q * scale + lo per block (q: integer codes of any dtype; a new fp32 tensor)."""
+        return _per_block_(q.to(torch.float32, copy=True), self.config.block, scale, lo)
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         if count == 0:
             return torch.empty(0, device=device)
         params = src.tensor(2 * blocks(count, self.config.block), torch.float32).to(device).view(-1, 2)
-        q = unpack_bits(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
-        return self._values(q.float(), params[:, 0], params[:, 1], count)
+        q = unpack_codes(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
+        return self._values(q, params[:, 0].contiguous(), params[:, 1].contiguous(), count)
 
 
 @register
@@ -308,21 +328,23 @@ class QSGD(Quantizer):
         norm = rows.abs().amax(dim=1) if self.config.norm == "max" else torch.linalg.vector_norm(rows, dim=1)
         safe = torch.where(norm > 0, norm, torch.ones_like(norm))
         ratio = (rows.abs() * s / safe[:, None]).reshape(-1)[:m]
-        level = torch.floor(ratio + _uniform(ratio.shape, gen, x.device)).clamp_(0, s).to(torch.int64)
-        negative = (x < 0).to(torch.int64)
+        ratio.add_(_uniform(ratio.shape, gen, x.device)).floor_().clamp_(0, s)
+        level = ratio.to(torch.uint8)
+        negative = (x < 0).to(torch.uint8)
         out.tensor(norm)
         out.tensor(pack_bits((negative << (self.config.bits - 1)) | level, self.config.bits))
         return self._values(norm, level, negative, m)
 
     def _values(self, norm: torch.Tensor, level: torch.Tensor, negative: torch.Tensor, m: int) -> torch.Tensor:
-        per = norm.repeat_interleave(block_size(m, self.config.bucket))[:m]
-        return per * level.float() * (1 - 2 * negative).float() / self.levels
+        """norm * (+-level) / s per bucket (level, negative: uint8; a new fp32 tensor)."""
+        signed = level.to(torch.int8) * (1 - 2 * negative.to(torch.int8))  # int8: |level| <= 127
+        return _per_block_(signed.to(torch.float32), self.config.bucket, norm / self.levels)
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         if count == 0:
             return torch.empty(0, device=device)
         norm = src.tensor(blocks(count, self.config.bucket), torch.float32).to(device)
-        codes = unpack_bits(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
+        codes = unpack_codes(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
         top = self.config.bits - 1
         return self._values(norm, codes & ((1 << top) - 1), codes >> top, count)
 
