@@ -2,12 +2,16 @@
 
 It works with any ClientApp whose train reply carries one ArrayRecord (the trained model):
 
-1. The broadcast's payload is decoded into the dense model and handed to the app as the
-   ArrayRecord it expects (under the strategy's original record name).
+1. The broadcast moves the reference model kept in ``Context.state`` (a chain of compressed
+   steps, or the full reference: :mod:`fedcomp.broadcast`); the reference is handed to the app
+   as the ArrayRecord it expects (under the strategy's original record name). If the
+   reference cannot be rebuilt exactly (state lost, CRC mismatch) the mod replies with a
+   resync request instead of training, and the server sends the full model next time.
 2. The app trains and replies with its model.
 3. The mod computes the update ``delta = trained - received``, adds the residual kept in
    ``Context.state`` (error feedback), encodes it with the codec the server asked for, keeps
-   the new residual, and replaces the reply's ArrayRecord with the payload.
+   the new residual, and replaces the reply's ArrayRecord with the payload, the reference it
+   holds (tier, version, CRC) and the tier it wants.
 
 Messages without a fedcomp record (evaluation, or a strategy that is not wrapped) pass through.
 """
@@ -20,6 +24,7 @@ from flwr.clientapp.typing import ClientAppCallable
 
 import fedcomp
 from fedcomp import protocol as P
+from fedcomp.broadcast import ResyncNeeded, apply_plan, parse_thresholds, tier_for_kbps
 
 
 def _torch_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
@@ -34,19 +39,59 @@ def node_device(context: Context) -> torch.device:
     return torch.device(wanted)
 
 
+def desired_tier(context: Context, tiers: int, thresholds: str) -> int:
+    """The download tier this node belongs in: node config ``download-tier``, else its
+    ``downlink-kbps`` against the server's thresholds, else ``partition-id`` modulo the number
+    of tiers (simulated nodes know nothing else), else 0."""
+    config = context.node_config
+    if "download-tier" in config:
+        tier = config["download-tier"]
+        if isinstance(tier, bool) or not isinstance(tier, int) or not 0 <= tier < tiers:
+            raise RuntimeError(f"node config download-tier={tier!r} is invalid: it must be an integer in [0, {tiers - 1}]")
+        return tier
+    limits = parse_thresholds(thresholds, tiers) if thresholds else ()
+    if limits and "downlink-kbps" in config:
+        return tier_for_kbps(float(config["downlink-kbps"]), limits)
+    if "partition-id" in config:
+        return int(config["partition-id"]) % tiers
+    return 0
+
+
+def _held_reference(context: Context) -> tuple[dict[str, torch.Tensor] | None, tuple[int, int, int] | None]:
+    if P.REF_STATE not in context.state.array_records or P.REF_INFO_STATE not in context.state.config_records:
+        return None, None
+    info = context.state.config_records[P.REF_INFO_STATE]
+    return _torch_dict(context.state.array_records[P.REF_STATE]), (
+        int(info[P.TIER]), int(info[P.REF_VERSION]), int(info[P.REF_CRC]))
+
+
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Flower mod: decode the compressed broadcast, compress the reply (see module docstring)."""
     if not msg.has_content() or P.DOWNLOAD_RECORD not in msg.content.config_records:
         return call_next(msg, context)
     cfg = msg.content.config_records[P.DOWNLOAD_RECORD]
+    want = desired_tier(context, int(cfg[P.TIERS]), str(cfg[P.TIER_KBPS]))
     try:
         layout = fedcomp.Layout.from_json(str(cfg[P.LAYOUT]))
-        received = fedcomp.build_codec(str(cfg[P.DOWNLOAD_SPEC])).decode(
-            bytes(cfg[P.PAYLOAD]), layout, round=int(cfg[P.ROUND])
-        )
         upload = fedcomp.build_codec(str(cfg[P.UPLOAD_SPEC]))
     except fedcomp.FedcompError as exc:
         raise RuntimeError(f"fedcomp could not read the broadcast: {exc}") from exc
+    held, held_info = _held_reference(context)
+    try:
+        received, info = apply_plan(
+            held, held_info, mode=str(cfg[P.MODE]), tier=int(cfg[P.TIER]), spec=str(cfg[P.DOWNLOAD_SPEC]),
+            payloads=[bytes(p) for p in cfg[P.PAYLOADS]], rounds=[int(r) for r in cfg[P.ROUNDS]],
+            base_crc=int(cfg[P.BASE_CRC]), crc=int(cfg[P.REF_CRC]), layout=layout,
+        )
+    except fedcomp.FedcompError as exc:  # ResyncNeeded, or a step that does not decode
+        for key in (P.REF_STATE, P.REF_INFO_STATE):
+            if key in context.state:
+                del context.state[key]
+        reason = str(exc) if isinstance(exc, ResyncNeeded) else f"broadcast did not decode: {exc}"
+        return Message(RecordDict({P.UPLOAD_RECORD: ConfigRecord({P.RESYNC: reason, P.WANT_TIER: want})}),
+                       reply_to=msg)
+    context.state[P.REF_STATE] = ArrayRecord(received)
+    context.state[P.REF_INFO_STATE] = ConfigRecord({P.TIER: info[0], P.REF_VERSION: info[1], P.REF_CRC: info[2]})
 
     arrays_key = str(cfg[P.ARRAYS_KEY])
     inner = RecordDict({k: v for k, v in msg.content.items() if k != P.DOWNLOAD_RECORD})
@@ -100,6 +145,9 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
         context.state[P.LAST_ROUND_STATE] = ConfigRecord({"round": server_round})
 
     content = RecordDict({k: v for k, v in reply.content.items() if k != array_keys[0]})
-    content[P.UPLOAD_RECORD] = ConfigRecord({P.PAYLOAD: encoded.payload, P.ARRAYS_KEY: array_keys[0], P.DELTA_REF: ref})
+    content[P.UPLOAD_RECORD] = ConfigRecord({
+        P.PAYLOAD: encoded.payload, P.ARRAYS_KEY: array_keys[0], P.DELTA_REF: ref,
+        P.TIER: info[0], P.REF_VERSION: info[1], P.REF_CRC: info[2], P.WANT_TIER: want,
+    })
     reply.content = content
     return reply

@@ -4,13 +4,15 @@ No Flower import here: these are plain strings naming records inside a Flower ``
 
 Server -> client (train message)::
 
-    DOWNLOAD_RECORD: ConfigRecord {PAYLOAD, LAYOUT, UPLOAD_SPEC, DOWNLOAD_SPEC,
-                                   ERROR_FEEDBACK, SEED, ROUND, ARRAYS_KEY, DELTA, DELTA_REF}
+    DOWNLOAD_RECORD: ConfigRecord {MODE, PAYLOADS, ROUNDS, BASE_CRC, REF_CRC, TIER, TIERS, TIER_KBPS,
+                                   LAYOUT, UPLOAD_SPEC, DOWNLOAD_SPEC (the tier's), ERROR_FEEDBACK,
+                                   SEED, ROUND, ARRAYS_KEY, DELTA, DELTA_REF}
     <the strategy's ConfigRecord, unchanged>
 
 Client -> server (train reply)::
 
-    UPLOAD_RECORD: ConfigRecord {PAYLOAD, ARRAYS_KEY, DELTA_REF}
+    UPLOAD_RECORD: ConfigRecord {PAYLOAD, ARRAYS_KEY, DELTA_REF, TIER, REF_VERSION, REF_CRC, WANT_TIER}
+                   or, when the broadcast could not be applied, {RESYNC, WANT_TIER} (no training)
     <the ClientApp's MetricRecord (and any other non-array record), unchanged>
 """
 
@@ -19,10 +21,10 @@ UPLOAD_RECORD = "fedcomp.upload"
 RESIDUAL_STATE = "fedcomp.residual"  # Context.state key of the client's error-feedback residual
 CODEC_STATE = "fedcomp.codec-state"  # Context.state key of the codec's client state (warm starts, momentum)
 
-PAYLOAD = "payload"  # bytes: a fedcomp wire-format payload
+PAYLOAD = "payload"  # bytes: a fedcomp wire-format payload (the upload)
 LAYOUT = "layout"  # str: Layout.to_json() of the model
 UPLOAD_SPEC = "upload"  # str: codec spec the client must use for its reply
-DOWNLOAD_SPEC = "download"  # str: codec spec of PAYLOAD in the broadcast
+DOWNLOAD_SPEC = "download"  # str: codec spec of the broadcast's chain steps (its tier's)
 ERROR_FEEDBACK = "error-feedback"  # bool: keep a residual across rounds
 SEED = "seed"  # int: run seed, part of every nonce
 ROUND = "round"  # int: server round, part of every nonce
@@ -32,3 +34,21 @@ DELTA_REF = "delta-ref"  # int: round of the reference the delta is against (0: 
 
 LAST_SENT_STATE = "fedcomp.last-sent"  # Context.state: the update the server reconstructed last time
 LAST_ROUND_STATE = "fedcomp.last-round"  # Context.state: ConfigRecord {"round": round of LAST_SENT_STATE}
+
+# -- compressed broadcasts (fedcomp.broadcast): server -> client, in DOWNLOAD_RECORD --
+MODE = "mode"  # str: "chain" (steps to apply to the held reference) or "full" (the reference itself)
+PAYLOADS = "payloads"  # list[bytes]: the chain's steps in order, or the one full payload
+ROUNDS = "rounds"  # list[int]: round of each step (full: the reference's version)
+BASE_CRC = "base-crc"  # int: CRC32 the client's reference must have before the chain
+REF_CRC = "ref-crc"  # int: CRC32 of the reference after applying (also reported back by the client)
+TIER = "tier"  # int: the download tier of this broadcast (also reported back)
+TIERS = "tiers"  # int: number of download tiers
+TIER_KBPS = "tier-kbps"  # str: comma-separated downlink kbps thresholds between tiers ("" : none)
+
+# -- client -> server, in UPLOAD_RECORD --
+REF_VERSION = "ref-version"  # int: round of the reference the client holds after this broadcast
+WANT_TIER = "want-tier"  # int: the tier the client should be in (from its node config / link)
+RESYNC = "resync"  # str: why the client could not rebuild the reference (no payload then)
+
+REF_STATE = "fedcomp.reference"  # Context.state: the broadcast reference model the client holds
+REF_INFO_STATE = "fedcomp.reference-info"  # Context.state: ConfigRecord {TIER, REF_VERSION, REF_CRC}

@@ -24,6 +24,7 @@ app = ServerApp()
 CONFIG_KEYS = (
     "num-server-rounds", "fraction-train", "model", "local-epochs", "lr", "batch-size", "seed",
     "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum", "delta",
+    "download-tier-kbps", "download-max-stale",
 )
 
 
@@ -51,7 +52,10 @@ def validate_run_config(run_config) -> dict:
     _check(cfg, "partition-alpha", float, "a positive float", lambda v: v > 0)
     _check(cfg, "error-feedback", bool, "true or false", lambda v: True)
     _check(cfg, "upload", str, "a codec spec such as 'topk(ratio=0.01)+qsgd(bits=4)'", lambda v: True)
-    _check(cfg, "download", str, "a codec spec such as 'none()'", lambda v: True)
+    _check(cfg, "download", str, "a codec spec such as 'none()', or tiers such as 'topk(ratio=0.01)+qsgd(bits=4) | kbit(bits=8)'",
+           lambda v: True)
+    _check(cfg, "download-tier-kbps", str, "'' or ascending kbps thresholds between tiers such as '1000,8000'", lambda v: True)
+    _check(cfg, "download-max-stale", int, "a positive integer (steps a client may miss before a full model)", lambda v: v >= 1)
     _check(cfg, "out-dir", str, "a directory path", lambda v: bool(v.strip()))
     _check(cfg, "aggregation", str, "'auto', 'decode' or 'sketch'", lambda v: v in ("auto", "decode", "sketch"))
     _check(cfg, "server-momentum", float, "a float in [0, 1)", lambda v: 0 <= v < 1)
@@ -84,6 +88,8 @@ def main(grid: Grid, context: Context) -> None:
         aggregation=_aggregation(cfg),
         server_momentum=float(cfg["server-momentum"]),
         delta=float(cfg["delta"]),
+        download_tier_kbps=str(cfg["download-tier-kbps"]),
+        download_max_stale=int(cfg["download-max-stale"]),
     )
     rounds: list[dict] = []
     log(INFO, "fedcomp: results go to %s", out_dir / "results.json")
@@ -98,6 +104,8 @@ def main(grid: Grid, context: Context) -> None:
             "round": server_round, "accuracy": accuracy, "loss": loss,
             "upload_bytes": s.upload_bytes, "download_bytes": s.download_bytes,
             "upload_bytes_dense": s.upload_bytes_dense, "download_bytes_dense": s.download_bytes_dense,
+            "download_bytes_by_tier": {str(t): b for t, b in sorted(s.download_bytes_by_tier.items())},
+            "broadcast_encodes": s.encodes, "downloads": s.downloads,
             "clients": s.clients,
         }
         rounds.append(row)

@@ -3,12 +3,14 @@
 Per training round:
 
 1. The inner strategy samples nodes and builds its messages (model + config).
-2. The wrapper encodes the model with the ``download`` codec once and replaces the model
-   in every message by the payload plus what the client mod needs (layout, codec specs,
-   seed, round); see :mod:`fedcomp.protocol`.
+2. The wrapper moves each download tier's reference towards the model with one encode per
+   tier (server-side error feedback, :mod:`fedcomp.broadcast`) and replaces the model in
+   every message by what that client needs: the chain of steps since the reference it holds,
+   or the full reference on first contact and resyncs; plus the layout, codec specs, seed,
+   round (see :mod:`fedcomp.protocol`).
 3. Replies carry the ``upload`` codec's payload of the client's update. The wrapper decodes
    each one (a reply that fails is dropped with its reason logged; the round goes on),
-   rebuilds ``model_i = broadcast model + update_i`` and hands the inner strategy replies
+   rebuilds ``model_i = global model + update_i`` and hands the inner strategy replies
    that look exactly like uncompressed ones, so FedAvg, FedAdam, FedMedian, Krum... aggregate
    as usual.
 
@@ -31,6 +33,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 import fedcomp
 from fedcomp import protocol as P
+from fedcomp.broadcast import Tier, parse_thresholds, parse_tiers
 
 
 def _metric(content: RecordDict, key: str) -> float:
@@ -53,6 +56,9 @@ class RoundStats:
     download_bytes: int = 0
     upload_bytes_dense: int = 0  # the same replies with the model as plain fp32 arrays
     download_bytes_dense: int = 0  # the same broadcasts with the model as plain fp32 arrays
+    download_bytes_by_tier: dict[int, int] = dataclasses.field(default_factory=dict)
+    encodes: int = 0  # broadcast encodes this round: one per tier with clients, not one per client
+    downloads: list[dict] = dataclasses.field(default_factory=list)  # per client: node, tier, mode, steps, bytes
     clients: list[dict] = dataclasses.field(default_factory=list)  # per client: node, bytes, status
 
 
@@ -66,7 +72,16 @@ class CompressedStrategy(Strategy):
     upload : str (default: ``"topk(ratio=0.01)+qsgd(bits=4)"``)
         Codec spec the clients use for their updates.
     download : str (default: ``"none()"``)
-        Codec spec of the broadcast model.
+        Codec spec of the broadcasts, or tiers separated by ``|`` (tier 0 first, for the slowest
+        links), e.g. ``"topk(ratio=0.01)+twobit() | topk(ratio=0.1)+kbit(bits=4) | kbit(bits=8)"``.
+        Each tier keeps its own reference model and error feedback (:mod:`fedcomp.broadcast`).
+        A client's tier: node config ``download-tier``, else its ``downlink-kbps`` against
+        ``download_tier_kbps``, else (simulation) ``partition-id`` modulo the number of tiers.
+    download_tier_kbps : str (default: ``""``)
+        Downlink kbps thresholds between tiers, ascending, e.g. ``"1000,8000"`` for three tiers.
+    download_max_stale : int (default: 10)
+        A client more than this many steps of its tier behind (missed rounds) gets the full
+        reference instead of a catch-up chain.
     error_feedback : bool (default: True)
         Clients keep what compression dropped in a residual and send it later.
     seed : int (default: 0)
@@ -102,10 +117,17 @@ class CompressedStrategy(Strategy):
         aggregation: str = "decode",
         server_momentum: float = 0.0,
         delta: float = 0.0,
+        download_tier_kbps: str = "",
+        download_max_stale: int = 10,
     ) -> None:
         self.inner = inner
         self.upload = fedcomp.build_codec(upload)  # fails here, before any round, on a bad spec
-        self.download = fedcomp.build_codec(download)
+        if isinstance(download_max_stale, bool) or not isinstance(download_max_stale, int) or download_max_stale < 1:
+            raise fedcomp.SpecError(f"download_max_stale={download_max_stale!r} is invalid: it must be a positive integer")
+        self.tiers = [Tier(i, spec, download_max_stale) for i, spec in enumerate(parse_tiers(download))]
+        self.tier_kbps = ",".join(str(v) for v in parse_thresholds(download_tier_kbps, len(self.tiers)))
+        self._held: dict[int, tuple[int, int, int]] = {}  # node -> (tier, version, crc) it reported
+        self._want: dict[int, int] = {}  # node -> the tier it asked for
         if aggregation not in ("decode", "sketch"):
             raise fedcomp.SpecError(f"aggregation={aggregation!r} is invalid: aggregation must be 'decode' or 'sketch'")
         if aggregation == "sketch" and not self.upload.linear:
@@ -131,12 +153,12 @@ class CompressedStrategy(Strategy):
         self.error_feedback = error_feedback
         self.seed = seed
         self.rounds: dict[int, RoundStats] = {}
-        self._base: dict[str, torch.Tensor] = {}  # the model as clients decode it this round
+        self._base: dict[str, torch.Tensor] = {}  # the global model of this round: model_i = base + update_i
         self._layout: fedcomp.Layout | None = None
 
     def summary(self) -> None:
         log(INFO, "fedcomp: upload %s, download %s, error feedback %s, aggregation %s", self.upload.spec,
-            self.download.spec, "on" if self.error_feedback else "off", self.aggregation)
+            " | ".join(t.codec.spec for t in self.tiers), "on" if self.error_feedback else "off", self.aggregation)
         self.inner.summary()
 
     # -- training ---------------------------------------------------------------------------
@@ -149,30 +171,51 @@ class CompressedStrategy(Strategy):
             return messages
         model = dict(arrays.to_torch_state_dict())
         self._layout = fedcomp.Layout.of(model)
-        broadcast = self.download.encode(model, nonce=fedcomp.derive_nonce(self.seed, server_round, 0), round=server_round)
-        self._base = broadcast.decoded
+        self._base = {k: v.detach().cpu() for k, v in model.items()}
+        for tier in self.tiers:
+            if tier.reference is None:  # all tiers start from the same model: early tier changes are cheap
+                tier.start(model)
+        nodes = [msg.metadata.dst_node_id for msg in messages]
+        tier_of = {node: self._want.get(node, 0) for node in nodes}
+        for tier in sorted(set(tier_of.values())):  # one encode per tier with clients this round
+            self.tiers[tier].step(model, server_round, self.seed)
+            stats.encodes += 1
         out = []
         for msg in messages:
+            node = msg.metadata.dst_node_id
             array_keys = list(msg.content.array_records)
             if len(array_keys) != 1:
                 raise ValueError(f"CompressedStrategy expects one ArrayRecord per train message, got {array_keys}")
+            tier = self.tiers[tier_of[node]]
+            plan = tier.plan(self._held.get(node))
             dense_bytes = message_bytes(msg.content)
             content = RecordDict({k: v for k, v in msg.content.items() if k != array_keys[0]})
             content[P.DOWNLOAD_RECORD] = ConfigRecord({
-                P.PAYLOAD: broadcast.payload,
+                P.MODE: plan.mode,
+                P.PAYLOADS: list(plan.payloads),
+                P.ROUNDS: list(plan.rounds),
+                P.BASE_CRC: plan.base_crc,
+                P.REF_CRC: plan.crc,
+                P.TIER: plan.tier,
+                P.TIERS: len(self.tiers),
+                P.TIER_KBPS: self.tier_kbps,
                 P.LAYOUT: self._layout.to_json(),
                 P.UPLOAD_SPEC: self.upload.spec,
-                P.DOWNLOAD_SPEC: self.download.spec,
+                P.DOWNLOAD_SPEC: tier.codec.spec,
                 P.ERROR_FEEDBACK: self.error_feedback,
                 P.SEED: self.seed,
                 P.ROUND: server_round,
                 P.ARRAYS_KEY: array_keys[0],
                 P.DELTA: self.delta,
-                P.DELTA_REF: self._last.get(msg.metadata.dst_node_id, (0, None))[0] if self.delta else 0,
+                P.DELTA_REF: self._last.get(node, (0, None))[0] if self.delta else 0,
             })
-            stats.download_bytes += message_bytes(content)
+            nbytes = message_bytes(content)
+            stats.download_bytes += nbytes
             stats.download_bytes_dense += dense_bytes
-            out.append(Message(content=content, dst_node_id=msg.metadata.dst_node_id,
+            stats.download_bytes_by_tier[plan.tier] = stats.download_bytes_by_tier.get(plan.tier, 0) + nbytes
+            stats.downloads.append({"node": node, "tier": plan.tier, "mode": plan.mode, "steps": len(plan.rounds),
+                                    "download_bytes": nbytes})
+            out.append(Message(content=content, dst_node_id=node,
                                message_type=msg.metadata.message_type, group_id=msg.metadata.group_id))
         return out
 
@@ -192,6 +235,12 @@ class CompressedStrategy(Strategy):
             wire = message_bytes(msg.content)
             entry = {"node": node, "upload_bytes": wire, "status": "ok"}
             stats.upload_bytes += wire
+            resync = self._track_reference(msg.content, node)
+            if resync is not None:
+                entry["status"] = f"resync: {resync}"
+                log(WARNING, "fedcomp: node %s asked for a full model in round %s: %s", node, server_round, resync)
+                stats.clients.append(entry)
+                continue
             try:
                 content, other_bytes, values = self._decode_reply(msg.content, server_round, node)
             except (fedcomp.FedcompError, KeyError, TypeError) as exc:
@@ -207,7 +256,48 @@ class CompressedStrategy(Strategy):
                 sketches.append((content, values))
         if self.aggregation == "sketch":
             return self._aggregate_sketches(sketches)
-        return self.inner.aggregate_train(server_round, decoded_replies)
+        arrays, metrics = self.inner.aggregate_train(server_round, decoded_replies)
+        return self._as_layout(arrays), metrics
+
+    def _as_layout(self, arrays: ArrayRecord | None) -> ArrayRecord | None:
+        """The aggregate in the model's dtypes (FedAvg turns integer buffers into float64), so
+        the broadcast references keep one layout."""
+        if arrays is None or self._layout is None:
+            return arrays
+        model = arrays.to_torch_state_dict()
+        if fedcomp.Layout.of(model) == self._layout or set(model) != set(self._layout.names):
+            return arrays
+        dtypes = {t.name: t.torch_dtype for t in self._layout.tensors}
+        return ArrayRecord({k: v.round().to(dtypes[k]) if v.is_floating_point() and not dtypes[k].is_floating_point
+                            else v.to(dtypes[k]) for k, v in model.items()})
+
+    def _track_reference(self, content: RecordDict, node: int) -> str | None:
+        """Note the tier, version and CRC of the broadcast reference a reply reports.
+
+        Returns the client's reason when it asked for a resync. A report the server cannot
+        confirm (another CRC, a version out of history) also means a full model next time.
+        """
+        record = content.config_records.get(P.UPLOAD_RECORD)
+        if record is None:
+            return None  # _decode_reply drops it with its reason
+        want = record.get(P.WANT_TIER)
+        if isinstance(want, int) and 0 <= want < len(self.tiers):
+            self._want[node] = want
+        if P.RESYNC in record:
+            self._held.pop(node, None)
+            return str(record[P.RESYNC])
+        try:
+            held = (int(record[P.TIER]), int(record[P.REF_VERSION]), int(record[P.REF_CRC]))
+        except (KeyError, TypeError, ValueError):
+            self._held.pop(node, None)
+            return None
+        if 0 <= held[0] < len(self.tiers) and self.tiers[held[0]].verify(held[1], held[2]):
+            self._held[node] = held
+        else:
+            self._held.pop(node, None)
+            log(WARNING, "fedcomp: node %s reports a reference the server does not know %s; full model next time",
+                node, held)
+        return None
 
     def _aggregate_sketches(
         self, sketches: list[tuple[RecordDict, list[torch.Tensor]]]

@@ -268,16 +268,19 @@ def _flwr_run(env, out_dir: Path, overrides: str) -> dict:
 
 @pytest.mark.slow
 def test_flwr_run_end_to_end(superlink, tmp_path):
-    rounds = 4
-    compressed = _flwr_run(superlink, tmp_path / "topk", f"num-server-rounds={rounds} upload='topk(ratio=0.01)+qsgd(bits=4)'")
-    dense = _flwr_run(superlink, tmp_path / "dense", f"num-server-rounds={rounds} upload='none()'")
+    # compressed both ways; half the clients per round, so clients sit out rounds and come back
+    # to a catch-up chain (8 rounds: all 4 nodes keep a contiguous run of rounds with p < 0.001)
+    rounds = 8
+    compressed = _flwr_run(superlink, tmp_path / "topk", f"num-server-rounds={rounds} fraction-train=0.5 "
+                           "upload='topk(ratio=0.01)+qsgd(bits=4)' download='topk(ratio=0.1)+kbit(bits=8)'")
+    dense = _flwr_run(superlink, tmp_path / "dense", "num-server-rounds=4 upload='none()'")
 
-    for run in (compressed, dense):
-        assert [r["round"] for r in run["rounds"]] == list(range(1, rounds + 1))
+    for run, per_round in ((compressed, 2), (dense, 4)):
+        assert [r["round"] for r in run["rounds"]] == list(range(1, len(run["rounds"]) + 1))
         for r in run["rounds"]:
             assert {"round", "accuracy", "loss", "upload_bytes", "download_bytes", "upload_bytes_dense",
-                    "download_bytes_dense", "clients"} <= set(r)
-            assert len(r["clients"]) == 4 and all(c["status"] == "ok" for c in r["clients"])
+                    "download_bytes_dense", "clients", "downloads", "download_bytes_by_tier"} <= set(r)
+            assert len(r["clients"]) == per_round and all(c["status"] == "ok" for c in r["clients"]), r["clients"]
         accuracy = [r["accuracy"] for r in run["rounds"]]
         assert accuracy[-1] > max(0.3, accuracy[0]), accuracy  # it learns (chance is 0.1)
 
@@ -285,10 +288,26 @@ def test_flwr_run_end_to_end(superlink, tmp_path):
     up = sum(r["upload_bytes"] for r in compressed["rounds"])
     up_dense = sum(r["upload_bytes_dense"] for r in compressed["rounds"])
     assert up_dense / up >= 100, (up, up_dense)
+    # broadcasts: the full model only on first contact; a node that sat out replays every step
+    # of its tier it missed (catch-up), and its reference stayed bit-exact (no resync requested)
+    seen, last, caught_up = set(), {}, 0
+    for r in compressed["rounds"]:
+        for d in r["downloads"]:
+            assert d["mode"] == ("chain" if d["node"] in seen else "full"), (r["round"], d)
+            if d["mode"] == "chain":
+                assert d["steps"] == r["round"] - last[d["node"]], (r["round"], d)  # one tier, it steps every round
+                caught_up += d["steps"] > 1
+            seen.add(d["node"])
+            last[d["node"]] = r["round"]
+    assert caught_up >= 1
+    chain = [d["download_bytes"] for r in compressed["rounds"] for d in r["downloads"] if d["mode"] == "chain"]
+    dense_message = compressed["rounds"][0]["download_bytes_dense"] / 2
+    assert dense_message / (sum(chain) / len(chain)) > 4, (chain, dense_message)  # top-k 10% + 8 bits: ~5x
     # with none() the payload stands in for the ArrayRecord at near-equal cost, and the
     # dense estimate matches what the uncompressed run actually sent
     dense_up = sum(r["upload_bytes"] for r in dense["rounds"])
-    assert 0.95 < dense_up / up_dense < 1.05
+    dense_up_est = sum(r["upload_bytes_dense"] for r in dense["rounds"])
+    assert 0.95 < dense_up / dense_up_est < 1.05
     assert (tmp_path / "topk" / "accuracy_vs_upload.png").read_bytes()[:4] == b"\x89PNG"
 
 
