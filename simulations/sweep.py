@@ -31,6 +31,7 @@ import json
 import multiprocessing as mp
 import os
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -90,8 +91,11 @@ def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dic
     for rnd in range(1, rounds + 1):
         # the broadcast the wrapper sends with download='none()'
         down = fedcomp.build_codec("none()").encode(global_state, nonce=fedcomp.derive_nonce(seed, rnd, 0), round=rnd)
+        ref_crc = zlib.crc32(down.payload)
         down_msg = RecordDict({"config": ConfigRecord({"server-round": rnd}), P.DOWNLOAD_RECORD: ConfigRecord({
-            P.PAYLOAD: down.payload, P.LAYOUT: layout.to_json(), P.UPLOAD_SPEC: codec.spec, P.DOWNLOAD_SPEC: "none()",
+            P.MODE: "full", P.PAYLOADS: [down.payload], P.ROUNDS: [rnd], P.BASE_CRC: 0, P.REF_CRC: ref_crc,
+            P.TIER: 0, P.TIERS: 1, P.TIER_KBPS: "",
+            P.LAYOUT: layout.to_json(), P.UPLOAD_SPEC: codec.spec, P.DOWNLOAD_SPEC: "none()",
             P.ERROR_FEEDBACK: error_feedback, P.SEED: seed, P.ROUND: rnd, P.ARRAYS_KEY: "arrays",
             P.DELTA: 0.0, P.DELTA_REF: 0})})
         down_dense = RecordDict({"arrays": ArrayRecord(global_state), "config": ConfigRecord({"server-round": rnd})})
@@ -109,8 +113,9 @@ def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dic
                 codec, delta, residuals[pid], nonce=fedcomp.derive_nonce(seed, rnd, pid + 1),
                 error_feedback=error_feedback, round=rnd, state=states[pid])
             metrics = MetricRecord({"train_loss": float(loss), "num-examples": int(x.shape[0])})
-            reply = RecordDict({P.UPLOAD_RECORD: ConfigRecord({P.PAYLOAD: encoded.payload, P.ARRAYS_KEY: "arrays",
-                                                                P.DELTA_REF: 0}), "metrics": metrics})
+            reply = RecordDict({P.UPLOAD_RECORD: ConfigRecord({  # the fields clients/mod.py sends
+                P.PAYLOAD: encoded.payload, P.ARRAYS_KEY: "arrays", P.DELTA_REF: 0,
+                P.TIER: 0, P.REF_VERSION: rnd, P.REF_CRC: ref_crc, P.WANT_TIER: 0}), "metrics": metrics})
             key = (len(encoded.payload), pid)  # the size depends on the payload's length and the client's metrics only
             if key not in sizes:
                 sizes[key] = message_bytes(reply)
