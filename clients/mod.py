@@ -13,10 +13,21 @@ It works with any ClientApp whose train reply carries one ArrayRecord (the train
    the new residual, and replaces the reply's ArrayRecord with the payload, the reference it
    holds (tier, version, CRC) and the tier it wants.
 
+Bandwidth budgets (:mod:`clients.budgeting`): when the node has a link (node config
+``uplink-kbps``/``downlink-kbps``/... or ``link=<preset>``, else the run's ``link-profile`` for its
+``partition-id``), its downlink picks the download tier, step 3 encodes with the codec whose free
+parameter makes the whole reply fit the link's budget (byte cap, or what the uplink carries in the
+time the round deadline leaves), and the reply reports the concrete spec, link, budget, status,
+the broadcast bytes it received and the measured seconds of decode + training + encode. The
+encode's own time is not known before the fit: the budget reserves the longest of the node's
+recent encodes (x1.5). Without a link (profile 'none', no link keys) nothing of this happens.
+
 Messages without a fedcomp record (evaluation, or a strategy that is not wrapped) pass through.
 """
 
 from __future__ import annotations
+
+from time import perf_counter
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
@@ -25,6 +36,11 @@ from flwr.clientapp.typing import ClientAppCallable
 import fedcomp
 from fedcomp import protocol as P
 from fedcomp.broadcast import ResyncNeeded, apply_plan, parse_thresholds, tier_for_kbps
+from clients.budgeting import budgeted_upload, reply_bytes
+from simulations import links
+
+ENCODE_HISTORY = 5  # recent encode times kept; the budget reserves the longest of them (x ENCODE_MARGIN)
+ENCODE_MARGIN = 1.5
 
 
 def _torch_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
@@ -39,10 +55,10 @@ def node_device(context: Context) -> torch.device:
     return torch.device(wanted)
 
 
-def desired_tier(context: Context, tiers: int, thresholds: str) -> int:
-    """The download tier this node belongs in: node config ``download-tier``, else its
-    ``downlink-kbps`` against the server's thresholds, else ``partition-id`` modulo the number
-    of tiers (simulated nodes know nothing else), else 0."""
+def desired_tier(context: Context, tiers: int, thresholds: str, link: links.Link | None = None) -> int:
+    """The download tier this node belongs in: node config ``download-tier``, else its downlink
+    kbps (node config ``downlink-kbps``, else its ``link``'s) against the server's thresholds,
+    else ``partition-id`` modulo the number of tiers (simulated nodes know nothing else), else 0."""
     config = context.node_config
     if "download-tier" in config:
         tier = config["download-tier"]
@@ -52,9 +68,30 @@ def desired_tier(context: Context, tiers: int, thresholds: str) -> int:
     limits = parse_thresholds(thresholds, tiers) if thresholds else ()
     if limits and "downlink-kbps" in config:
         return tier_for_kbps(float(config["downlink-kbps"]), limits)
+    if limits and link is not None:
+        return tier_for_kbps(link.downlink_kbps, limits)
     if "partition-id" in config:
         return int(config["partition-id"]) % tiers
     return 0
+
+
+def node_link(context: Context, cfg) -> links.Link | None:
+    """This node's link: node-config link keys first (``uplink-kbps`` or ``link=<preset>``; a
+    ``downlink-kbps`` alone only picks the download tier), else the run's link profile (sent in
+    the broadcast) for its partition; the run's round deadline where the link has none. None: no link."""
+    profile = str(cfg.get(P.LINK_PROFILE, links.NONE))
+    config = context.node_config
+    if "link" not in config and "uplink-kbps" not in config:
+        # downlink-kbps alone only picks the download tier (no uplink: no link, no budget)
+        config = {k: v for k, v in config.items() if k not in ("downlink-kbps", "latency-ms")}
+    try:
+        link = links.resolve_link(config, profile, seed=int(cfg[P.SEED]))
+    except links.LinkError as exc:
+        raise RuntimeError(f"fedcomp could not resolve this node's link: {exc}") from exc
+    if link is None:
+        return None
+    deadline = float(cfg.get(P.DEADLINE, 0.0))
+    return links.with_deadline(link, deadline if deadline > 0 else None)
 
 
 def _held_reference(context: Context) -> tuple[dict[str, torch.Tensor] | None, tuple[int, int, int] | None]:
@@ -69,8 +106,11 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     """Flower mod: decode the compressed broadcast, compress the reply (see module docstring)."""
     if not msg.has_content() or P.DOWNLOAD_RECORD not in msg.content.config_records:
         return call_next(msg, context)
+    start = perf_counter()  # compute time: decode + training + encode (what the client does)
     cfg = msg.content.config_records[P.DOWNLOAD_RECORD]
-    want = desired_tier(context, int(cfg[P.TIERS]), str(cfg[P.TIER_KBPS]))
+    link = node_link(context, cfg)
+    download_seen = reply_bytes(msg.content) if link is not None else 0
+    want = desired_tier(context, int(cfg[P.TIERS]), str(cfg[P.TIER_KBPS]), link)
     try:
         layout = fedcomp.Layout.from_json(str(cfg[P.LAYOUT]))
         upload = fedcomp.build_codec(str(cfg[P.UPLOAD_SPEC]))
@@ -88,8 +128,11 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
             if key in context.state:
                 del context.state[key]
         reason = str(exc) if isinstance(exc, ResyncNeeded) else f"broadcast did not decode: {exc}"
-        return Message(RecordDict({P.UPLOAD_RECORD: ConfigRecord({P.RESYNC: reason, P.WANT_TIER: want})}),
-                       reply_to=msg)
+        record = {P.RESYNC: reason, P.WANT_TIER: want}
+        if link is not None:  # no training, but the round still cost this node its download
+            record.update({P.LINK: link.describe(), P.BUDGET: -1, P.DOWNLOAD_SEEN: download_seen,
+                           P.COMPUTE_S: float(perf_counter() - start)})
+        return Message(RecordDict({P.UPLOAD_RECORD: ConfigRecord(record)}), reply_to=msg)
     context.state[P.REF_STATE] = ArrayRecord(received)
     context.state[P.REF_INFO_STATE] = ConfigRecord({P.TIER: info[0], P.REF_VERSION: info[1], P.REF_CRC: info[2]})
 
@@ -130,6 +173,15 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     state = {k: v.to(device) for k, v in state.items()}
     server_round = int(cfg[P.ROUND])
     nonce = fedcomp.derive_nonce(int(cfg[P.SEED]), server_round, context.node_id)
+    rest = RecordDict({k: v for k, v in reply.content.items() if k != array_keys[0]})
+    record = {P.ARRAYS_KEY: array_keys[0], P.DELTA_REF: ref, P.TIER: info[0], P.REF_VERSION: info[1],
+              P.REF_CRC: info[2], P.WANT_TIER: want}
+    if link is not None:
+        reply.content = _budgeted_reply(
+            context, cfg, upload.spec, link, delta, residual, state, rest, record, nonce=nonce,
+            server_round=server_round, use_ef=use_ef, beta=beta, last_sent=last_sent,
+            download_seen=download_seen, start=start)
+        return reply
     encoded, new_residual = fedcomp.compress(
         upload, delta, residual, nonce=nonce, error_feedback=use_ef, round=server_round, state=state
     )
@@ -144,10 +196,63 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
         context.state[P.LAST_SENT_STATE] = ArrayRecord({k: v.cpu() for k, v in sent.items()})
         context.state[P.LAST_ROUND_STATE] = ConfigRecord({"round": server_round})
 
-    content = RecordDict({k: v for k, v in reply.content.items() if k != array_keys[0]})
-    content[P.UPLOAD_RECORD] = ConfigRecord({
-        P.PAYLOAD: encoded.payload, P.ARRAYS_KEY: array_keys[0], P.DELTA_REF: ref,
-        P.TIER: info[0], P.REF_VERSION: info[1], P.REF_CRC: info[2], P.WANT_TIER: want,
-    })
-    reply.content = content
+    rest[P.UPLOAD_RECORD] = ConfigRecord({P.PAYLOAD: encoded.payload, **record})
+    reply.content = rest
     return reply
+
+
+def _budgeted_reply(context, cfg, spec, link, delta, residual, state, rest, record, *, nonce, server_round,
+                    use_ef, beta, last_sent, download_seen, start) -> RecordDict:
+    """Step 3 for a node with a link: the reply whose whole size fits the link's budget."""
+    encode_start = perf_counter()
+    compute_s = encode_start - start  # decode + training
+    history = [float(v) for v in context.state.config_records[P.ENCODE_STATE]["s"]] if (
+        P.ENCODE_STATE in context.state.config_records) else []
+    # this round's encode time is not known yet: reserve 1.5x the longest recent one (first round:
+    # as long as decode + training took) so a noisy encode does not push the node past its deadline
+    reserve = ENCODE_MARGIN * max(history) if history else compute_s
+
+    def build(payload: bytes, used: str) -> RecordDict:
+        content = RecordDict(dict(rest.items()))
+        # COMPUTE_S is a float (fixed 8 bytes on the wire): overwritten below at the same size
+        content[P.UPLOAD_RECORD] = ConfigRecord({
+            P.PAYLOAD: payload, **record, P.SPEC: used, P.LINK: link.describe(), P.BUDGET: budget_value,
+            P.COMPUTE_S: 0.0, P.DOWNLOAD_SEEN: download_seen,
+        })
+        return content
+
+    budget = links.upload_budget(link, download_seen, compute_s + reserve)
+    budget_value = -1 if budget is None else int(budget)
+    try:
+        result = budgeted_upload(
+            spec, delta, residual, link=link, download_bytes=download_seen, compute_s=compute_s + reserve,
+            build=build, nonce=nonce, round=server_round, state=state, error_feedback=use_ef,
+            fallback=str(cfg.get(P.FALLBACK, "skip")),
+        )
+    except fedcomp.SpecError as exc:  # a codec without a free parameter, a bad fallback
+        raise RuntimeError(f"fedcomp could not fit the upload to this node's budget: {exc}") from exc
+    if use_ef and result.residual:
+        context.state[P.RESIDUAL_STATE] = ArrayRecord({k: v.detach().cpu() for k, v in result.residual.items()})
+    if result.state:
+        context.state[P.CODEC_STATE] = ArrayRecord({k: v.cpu() for k, v in result.state.items()})
+    if result.encoded is not None and beta > 0:
+        sent = {k: v + beta * last_sent[k] if k in last_sent else v
+                for k, v in result.encoded.decoded.items() if v.is_floating_point()}
+        context.state[P.LAST_SENT_STATE] = ArrayRecord({k: v.cpu() for k, v in sent.items()})
+        context.state[P.LAST_ROUND_STATE] = ConfigRecord({"round": server_round})
+    encode_s = perf_counter() - encode_start  # the fit's search included: the client pays for it
+    context.state[P.ENCODE_STATE] = ConfigRecord({"s": (history + [encode_s])[-ENCODE_HISTORY:]})
+    if result.content is None:  # skipped: no payload, the update stays in the residual
+        content = RecordDict(dict(rest.items()))
+        content[P.UPLOAD_RECORD] = ConfigRecord({
+            **record, P.SPEC: result.spec, P.LINK: link.describe(), P.BUDGET: budget_value,
+            P.BUDGET_STATUS: result.status, P.BUDGET_REASON: str(result.info.get("reason", "")),
+            P.COMPUTE_S: 0.0, P.DOWNLOAD_SEEN: download_seen,
+        })
+    else:
+        content = result.content
+        if result.status == "too-small-coarsest":  # over budget anyway: say so (fits report nothing extra)
+            content[P.UPLOAD_RECORD][P.BUDGET_STATUS] = result.status
+            content[P.UPLOAD_RECORD][P.BUDGET_REASON] = str(result.info.get("reason", ""))
+    content[P.UPLOAD_RECORD][P.COMPUTE_S] = float(compute_s + encode_s)
+    return content

@@ -161,6 +161,7 @@ class Codec:
                 y = self.reducer.expand(self.quantizer.encode(vals, out, gen), aux, seg)
                 kept.append(vals.numel())
                 side_bytes.append(side)
+            out.flush()  # on CUDA: this segment's bytes go to the host while the next one encodes
             self._split(y, group, layout, decoded)
         for i, spec in enumerate(layout.tensors):
             if not spec.is_float:

@@ -6,13 +6,16 @@ Server -> client (train message)::
 
     DOWNLOAD_RECORD: ConfigRecord {MODE, PAYLOADS, ROUNDS, BASE_CRC, REF_CRC, TIER, TIERS, TIER_KBPS,
                                    LAYOUT, UPLOAD_SPEC, DOWNLOAD_SPEC (the tier's), ERROR_FEEDBACK,
-                                   SEED, ROUND, ARRAYS_KEY, DELTA, DELTA_REF}
+                                   SEED, ROUND, ARRAYS_KEY, DELTA, DELTA_REF,
+                                   LINK_PROFILE, DEADLINE, FALLBACK}
     <the strategy's ConfigRecord, unchanged>
 
 Client -> server (train reply)::
 
     UPLOAD_RECORD: ConfigRecord {PAYLOAD, ARRAYS_KEY, DELTA_REF, TIER, REF_VERSION, REF_CRC, WANT_TIER}
-                   or, when the broadcast could not be applied, {RESYNC, WANT_TIER} (no training)
+                   or, when the broadcast could not be applied, {RESYNC, WANT_TIER} (no training);
+                   a client with a link adds {SPEC, LINK, BUDGET, COMPUTE_S, DOWNLOAD_SEEN} (+ BUDGET_STATUS, BUDGET_REASON)
+                   (and no PAYLOAD when its budget was too small and it skipped the round)
     <the ClientApp's MetricRecord (and any other non-array record), unchanged>
 """
 
@@ -52,3 +55,18 @@ RESYNC = "resync"  # str: why the client could not rebuild the reference (no pay
 
 REF_STATE = "fedcomp.reference"  # Context.state: the broadcast reference model the client holds
 REF_INFO_STATE = "fedcomp.reference-info"  # Context.state: ConfigRecord {TIER, REF_VERSION, REF_CRC}
+
+# -- bandwidth budgets (simulations.links, fedcomp.budget): server -> client, in DOWNLOAD_RECORD --
+LINK_PROFILE = "link-profile"  # str: run config link-profile ('none', a preset, 'mixed', a table path)
+DEADLINE = "round-deadline-s"  # float: the run's round deadline in seconds (0: none)
+FALLBACK = "budget-fallback"  # str: "skip" or "coarsest" when even the coarsest setting is over budget
+
+# -- client -> server, in UPLOAD_RECORD (clients with a link only) --
+SPEC = "spec"  # str: the concrete codec spec of the payload (the budget picked its free parameter)
+LINK = "link"  # str: the client's link as node-config text ("uplink-kbps=... downlink-kbps=... ...")
+BUDGET = "budget"  # int: whole-reply bytes allowed this round (-1: no budget)
+BUDGET_STATUS = "budget-status"  # str: too-small-skipped or too-small-coarsest (absent: the upload fits)
+BUDGET_REASON = "budget-reason"  # str: why the budget was too small (with BUDGET_STATUS only)
+COMPUTE_S = "compute-s"  # float: measured seconds of decode + training + encode this round
+DOWNLOAD_SEEN = "download-bytes"  # int: bytes of the broadcast as the client counted them
+ENCODE_STATE = "fedcomp.encode-seconds"  # Context.state: ConfigRecord {"s": recent encode seconds}

@@ -35,11 +35,35 @@ OVERHEAD_BYTES = HEADER_BYTES + TRAILER_BYTES
 
 
 class Writer:
-    """Collects body parts (uint8 tensors, on any device) and produces the final bytes."""
+    """Collects body parts (uint8 tensors, on any device) and produces the final bytes.
+
+    On CUDA, :meth:`flush` (called by the codec after each segment) starts copying what was
+    written so far into pinned host memory on a side stream, so the copy of one segment overlaps
+    the encoding of the next; ``getvalue`` waits for the copies. On the CPU the same calls run in
+    order and produce the same bytes.
+    """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.parts: list[torch.Tensor] = []
+        self.host: list[torch.Tensor] = []  # flushed chunks (pinned host memory on CUDA)
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def flush(self) -> None:
+        """Move what was written so far towards the host (non-blocking on CUDA)."""
+        if not self.parts:
+            return
+        chunk = torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
+        self.parts = []
+        if self._copy_stream is None:
+            self.host.append(chunk.cpu())
+            return
+        host = torch.empty(chunk.numel(), dtype=torch.uint8, pin_memory=True)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the chunk is written
+        with torch.cuda.stream(self._copy_stream):
+            host.copy_(chunk, non_blocking=True)
+        chunk.record_stream(self._copy_stream)  # keep its memory until the copy is done
+        self.host.append(host)
 
     def raw(self, data: bytes) -> None:
         self.parts.append(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
@@ -56,7 +80,10 @@ class Writer:
 
     def getvalue(self, layout_fp: bytes, codec_fp: int, nonce: int) -> bytes:
         head = HEADER.pack(MAGIC, VERSION, 0, layout_fp, codec_fp, nonce)
-        body = torch.cat(self.parts).cpu().numpy().tobytes() if self.parts else b""
+        self.flush()
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+        body = b"".join(h.numpy().tobytes() for h in self.host)
         data = head + body
         return data + struct.pack("<I", zlib.crc32(data))
 

@@ -16,7 +16,8 @@ from flwr.serverapp import ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 import fedcomp
-from simulations import results, task
+from fedcomp.budget import FALLBACKS
+from simulations import links, results, task
 from strategies.wrapper import CompressedStrategy
 
 app = ServerApp()
@@ -24,7 +25,8 @@ app = ServerApp()
 CONFIG_KEYS = (
     "num-server-rounds", "fraction-train", "model", "local-epochs", "lr", "batch-size", "seed",
     "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum", "delta",
-    "download-tier-kbps", "download-max-stale",
+    "download-tier-kbps", "download-max-stale", "link-profile", "round-deadline-s", "budget-fallback",
+    "streaming",
 )
 
 
@@ -60,6 +62,18 @@ def validate_run_config(run_config) -> dict:
     _check(cfg, "aggregation", str, "'auto', 'decode' or 'sketch'", lambda v: v in ("auto", "decode", "sketch"))
     _check(cfg, "server-momentum", float, "a float in [0, 1)", lambda v: 0 <= v < 1)
     _check(cfg, "delta", float, "a float in [0, 1] (0: off)", lambda v: 0 <= v <= 1)
+    _check(cfg, "link-profile", str, f"'none', 'mixed', one of {sorted(links.PRESETS)}, or a .csv/.toml table path",
+           lambda v: bool(v.strip()))
+    try:
+        links.check_profile(str(cfg["link-profile"]))
+    except links.LinkError as exc:
+        raise ValueError(f"run config link-profile={cfg['link-profile']!r} is invalid: {exc}") from None
+    _check(cfg, "round-deadline-s", float, "seconds >= 0 (0: no deadline)", lambda v: 0 <= v < float("inf"))
+    _check(cfg, "budget-fallback", str, f"one of {FALLBACKS}", lambda v: v in FALLBACKS)
+    _check(cfg, "streaming", bool, "true or false", lambda v: True)
+    if cfg["link-profile"] != links.NONE and _aggregation(cfg) == "sketch":
+        raise ValueError(f"run config link-profile={cfg['link-profile']!r} needs aggregation='decode': budgets give "
+                         f"clients sketches of different cols, which cannot be summed in sketch space")
     return cfg
 
 
@@ -90,6 +104,10 @@ def main(grid: Grid, context: Context) -> None:
         delta=float(cfg["delta"]),
         download_tier_kbps=str(cfg["download-tier-kbps"]),
         download_max_stale=int(cfg["download-max-stale"]),
+        link_profile=str(cfg["link-profile"]),
+        round_deadline_s=float(cfg["round-deadline-s"]),
+        budget_fallback=str(cfg["budget-fallback"]),
+        streaming=bool(cfg["streaming"]),
     )
     rounds: list[dict] = []
     log(INFO, "fedcomp: results go to %s", out_dir / "results.json")
@@ -106,13 +124,14 @@ def main(grid: Grid, context: Context) -> None:
             "upload_bytes_dense": s.upload_bytes_dense, "download_bytes_dense": s.download_bytes_dense,
             "download_bytes_by_tier": {str(t): b for t, b in sorted(s.download_bytes_by_tier.items())},
             "broadcast_encodes": s.encodes, "downloads": s.downloads,
-            "clients": s.clients,
+            "clients": s.clients, "sim_time_s": s.sim_time_s, "links": s.links,
         }
         rounds.append(row)
         up_ratio = s.upload_bytes_dense / s.upload_bytes if s.upload_bytes else float("nan")
         down_ratio = s.download_bytes_dense / s.download_bytes if s.download_bytes else float("nan")
-        log(INFO, "fedcomp round %3d | acc %.4f | loss %.4f | up %9d B (%.1fx less than dense) | down %9d B (%.1fx)",
-            server_round, accuracy, loss, s.upload_bytes, up_ratio, s.download_bytes, down_ratio)
+        log(INFO, "fedcomp round %3d | acc %.4f | loss %.4f | up %9d B (%.1fx less than dense) | down %9d B (%.1fx)%s",
+            server_round, accuracy, loss, s.upload_bytes, up_ratio, s.download_bytes, down_ratio,
+            "" if s.sim_time_s is None else f" | sim {s.sim_time_s:.2f} s")
         results.write_results(out_dir, cfg, rounds)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 

@@ -16,6 +16,15 @@ Per training round:
 
 Bytes are counted as Flower sends them: the deflated size of every object in a message's
 content tree (records, arrays, array chunks), per client.
+
+Bandwidth budgets (``link_profile``, ``round_deadline_s``; :mod:`simulations.links`): clients
+with a link fit their reply to its byte budget and report the concrete codec spec they used.
+The wrapper accepts a reported spec only of the configured family (same stages in order,
+:func:`fedcomp.budget.same_family`) and decodes each reply with it; skipped replies (budget too
+small) are not aggregated. Per client it records bytes, budget, status and simulated times
+(download of the bytes it was really sent, measured compute, upload), and per round
+``sim_time_s``: the slowest participant, or the deadline when clients past it are dropped
+(their replies are not aggregated).
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 import fedcomp
 from fedcomp import protocol as P
 from fedcomp.broadcast import Tier, parse_thresholds, parse_tiers
+from fedcomp.budget import FALLBACKS, check_budgetable, same_family
+from simulations import links
+from strategies.streaming import RunningMean, StreamingGrid, can_stream
 
 
 def _metric(content: RecordDict, key: str) -> float:
@@ -60,6 +72,22 @@ class RoundStats:
     encodes: int = 0  # broadcast encodes this round: one per tier with clients, not one per client
     downloads: list[dict] = dataclasses.field(default_factory=list)  # per client: node, tier, mode, steps, bytes
     clients: list[dict] = dataclasses.field(default_factory=list)  # per client: node, bytes, status
+    links: list[dict] = dataclasses.field(default_factory=list)  # per client with a link: bytes, budget, times
+    sim_time_s: float | None = None  # simulated round time (None: no client reported a link)
+
+
+@dataclasses.dataclass
+class _RoundState:
+    """Replies of the round in progress, as they are received."""
+
+    round: int
+    running: RunningMean | None = None  # weighted mean of updates (streamable inner strategies)
+    message_type: str = "train"
+    arrays_key: str = ""
+    seen: dict[int, Message] = dataclasses.field(default_factory=dict)  # replies already received, by identity
+    collected: list[Message] = dataclasses.field(default_factory=list)  # rebuilt replies for the inner strategy
+    metrics: list[RecordDict] = dataclasses.field(default_factory=list)  # non-model records (running mean)
+    sketches: list[tuple[RecordDict, list[torch.Tensor]]] = dataclasses.field(default_factory=list)
 
 
 class CompressedStrategy(Strategy):
@@ -79,6 +107,12 @@ class CompressedStrategy(Strategy):
         ``download_tier_kbps``, else (simulation) ``partition-id`` modulo the number of tiers.
     download_tier_kbps : str (default: ``""``)
         Downlink kbps thresholds between tiers, ascending, e.g. ``"1000,8000"`` for three tiers.
+    streaming : bool (default: True)
+        Decode each reply as it arrives and, where the inner strategy's aggregate is a weighted
+        mean (FedAvg, FedProx, FedAvgM, FedAdam, FedAdagrad, FedYogi), add it to a running mean
+        instead of keeping every client's model (:mod:`strategies.streaming`). Other inner
+        strategies get all decoded replies at the end (logged). ``False``: decode everything
+        when the last reply is in, as Flower's loop does.
     download_max_stale : int (default: 10)
         A client more than this many steps of its tier behind (missed rounds) gets the full
         reference instead of a catch-up chain.
@@ -94,7 +128,8 @@ class CompressedStrategy(Strategy):
         top-k heavy hitters of the accumulated error, and zeroes momentum and error at the cells
         those coordinates hash to. Clients keep no residual (error feedback is server side); the
         inner strategy still samples clients, but its aggregation is not used; integer buffers
-        keep their broadcast values.
+        keep their broadcast values. Does not combine with budgets (clients' sketches would
+        differ in ``cols``).
     server_momentum : float (default: 0.0)
         FetchSGD's momentum rho in sketch space (``aggregation="sketch"`` only).
     delta : float (default: 0.0)
@@ -105,6 +140,19 @@ class CompressedStrategy(Strategy):
         they hold the same reference (its round); a client whose reply was dropped, or that sat
         out, sends a plain update and both sides start over. Costs one dense update per client
         on the server. 0 turns it off.
+    link_profile : str (default: ``"none"``)
+        Simulation: maps ``partition-id`` to a link (``simulations.links``): a preset
+        (``datacenter``, ``broadband``, ``4g``, ``3g-edge``), ``"mixed"``, or the path of a
+        ``.csv``/``.toml`` per-client table. Node-config link keys take precedence. ``"none"``:
+        clients without link keys have no link, no budget and no simulated time.
+    round_deadline_s : float (default: 0.0)
+        Round deadline in seconds for links without their own (0: none). Clients' byte budgets
+        come from it (what the uplink carries in the time left after download and compute);
+        clients past it are dropped and the round lasts the deadline.
+    budget_fallback : str (default: ``"skip"``)
+        A client whose budget is below the coarsest setting of the codec: ``"skip"`` (sends no
+        update, keeps it in its residual) or ``"coarsest"`` (sends the coarsest setting, over
+        budget, reported as such).
     """
 
     def __init__(
@@ -119,8 +167,15 @@ class CompressedStrategy(Strategy):
         delta: float = 0.0,
         download_tier_kbps: str = "",
         download_max_stale: int = 10,
+        link_profile: str = links.NONE,
+        round_deadline_s: float = 0.0,
+        budget_fallback: str = "skip",
+        streaming: bool = True,
     ) -> None:
         self.inner = inner
+        self.streaming = bool(streaming)
+        self._round_state: _RoundState | None = None
+        self._dense_model_bytes = 0
         self.upload = fedcomp.build_codec(upload)  # fails here, before any round, on a bad spec
         if isinstance(download_max_stale, bool) or not isinstance(download_max_stale, int) or download_max_stale < 1:
             raise fedcomp.SpecError(f"download_max_stale={download_max_stale!r} is invalid: it must be a positive integer")
@@ -141,6 +196,21 @@ class CompressedStrategy(Strategy):
         if delta and aggregation == "sketch":
             raise fedcomp.SpecError("delta coding needs per-client decoding; it does not combine with aggregation='sketch'")
         self.delta = delta
+        links.check_profile(link_profile)
+        if isinstance(round_deadline_s, bool) or not isinstance(round_deadline_s, (int, float)) or not (
+                0 <= round_deadline_s < float("inf")):
+            raise fedcomp.SpecError(f"round_deadline_s={round_deadline_s!r} is invalid: seconds >= 0 (0: no deadline)")
+        if budget_fallback not in FALLBACKS:
+            raise fedcomp.SpecError(f"budget_fallback={budget_fallback!r} is invalid: one of {FALLBACKS}")
+        if link_profile != links.NONE and aggregation == "sketch":
+            raise fedcomp.SpecError(
+                "budgets give clients sketches of different cols, which cannot be summed in sketch space: "
+                "use aggregation='decode' with link_profile, or link_profile='none'")
+        if round_deadline_s > 0:
+            check_budgetable(upload)  # every client with a link gets a budget: the codec needs a free parameter
+        self.link_profile = link_profile
+        self.round_deadline_s = float(round_deadline_s)
+        self.budget_fallback = budget_fallback
         self._last: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # node -> (round, its last update)
         self.aggregation = aggregation
         self.server_momentum = server_momentum
@@ -159,6 +229,9 @@ class CompressedStrategy(Strategy):
     def summary(self) -> None:
         log(INFO, "fedcomp: upload %s, download %s, error feedback %s, aggregation %s", self.upload.spec,
             " | ".join(t.codec.spec for t in self.tiers), "on" if self.error_feedback else "off", self.aggregation)
+        if self.streaming and self.aggregation == "decode" and not can_stream(self.inner):
+            log(INFO, "fedcomp: %s needs every reply at once: replies are decoded as they arrive, then collected",
+                type(self.inner).__name__)
         self.inner.summary()
 
     # -- training ---------------------------------------------------------------------------
@@ -172,6 +245,7 @@ class CompressedStrategy(Strategy):
         model = dict(arrays.to_torch_state_dict())
         self._layout = fedcomp.Layout.of(model)
         self._base = {k: v.detach().cpu() for k, v in model.items()}
+        self._dense_model_bytes = message_bytes(ArrayRecord(self._base))
         for tier in self.tiers:
             if tier.reference is None:  # all tiers start from the same model: early tier changes are cheap
                 tier.start(model)
@@ -208,6 +282,9 @@ class CompressedStrategy(Strategy):
                 P.ARRAYS_KEY: array_keys[0],
                 P.DELTA: self.delta,
                 P.DELTA_REF: self._last.get(node, (0, None))[0] if self.delta else 0,
+                P.LINK_PROFILE: self.link_profile,
+                P.DEADLINE: self.round_deadline_s,
+                P.FALLBACK: self.budget_fallback,
             })
             nbytes = message_bytes(content)
             stats.download_bytes += nbytes
@@ -217,46 +294,127 @@ class CompressedStrategy(Strategy):
                                     "download_bytes": nbytes})
             out.append(Message(content=content, dst_node_id=node,
                                message_type=msg.metadata.message_type, group_id=msg.metadata.group_id))
+            state = self._state(server_round)
+            state.arrays_key, state.message_type = array_keys[0], msg.metadata.message_type
         return out
+
+    def start(self, grid: Grid, *args, **kwargs):
+        """Flower's round loop, with replies decoded as they arrive (:mod:`strategies.streaming`)."""
+        if self.streaming:
+            grid = StreamingGrid(grid, self._on_reply)
+        return super().start(grid, *args, **kwargs)
+
+    def _on_reply(self, msg: Message) -> None:
+        if self._round_state is not None and msg.metadata.message_type == self._round_state.message_type:
+            self._receive(self._round_state.round, msg)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        for msg in replies:  # those not streamed in already
+            self._receive(server_round, msg)
+        state = self._state(server_round)
+        self._round_state = None
         stats = self.rounds.setdefault(server_round, RoundStats())
-        dense_model_bytes = message_bytes(ArrayRecord(self._base)) if self._base else 0
-        decoded_replies = []
-        sketches = []  # (reply content, sketch values) for aggregation="sketch"
-        for msg in replies:
-            node = msg.metadata.src_node_id
-            if msg.has_error():
-                stats.clients.append({"node": node, "status": f"error: {msg.error.reason}"})
-                decoded_replies.append(msg)  # the inner strategy counts and logs failures
-                continue
-            wire = message_bytes(msg.content)
-            entry = {"node": node, "upload_bytes": wire, "status": "ok"}
-            stats.upload_bytes += wire
-            resync = self._track_reference(msg.content, node)
-            if resync is not None:
-                entry["status"] = f"resync: {resync}"
-                log(WARNING, "fedcomp: node %s asked for a full model in round %s: %s", node, server_round, resync)
-                stats.clients.append(entry)
-                continue
-            try:
-                content, other_bytes, values = self._decode_reply(msg.content, server_round, node)
-            except (fedcomp.FedcompError, KeyError, TypeError) as exc:
-                entry["status"] = f"dropped: {exc}"
-                log(WARNING, "fedcomp: dropping reply of node %s in round %s: %s", node, server_round, exc)
-                stats.clients.append(entry)
-                continue
-            stats.upload_bytes_dense += other_bytes + dense_model_bytes
-            stats.clients.append(entry)
-            msg.content = content
-            decoded_replies.append(msg)
-            if values is not None:
-                sketches.append((content, values))
+        if stats.links:
+            stats.sim_time_s, _ = links.round_time({t["node"]: t["total_s"] for t in stats.links},
+                                                   {t["node"]: t["deadline_s"] for t in stats.links})
         if self.aggregation == "sketch":
-            return self._aggregate_sketches(sketches)
-        arrays, metrics = self.inner.aggregate_train(server_round, decoded_replies)
+            return self._aggregate_sketches(state.sketches)
+        if state.running is None:
+            arrays, metrics = self.inner.aggregate_train(server_round, state.collected)
+            return self._as_layout(arrays), metrics
+        return self._finish_mean(server_round, state)
+
+    def _state(self, server_round: int) -> _RoundState:
+        if self._round_state is None or self._round_state.round != server_round:
+            self._round_state = _RoundState(server_round, running=RunningMean() if self._mean_ready() else None)
+        return self._round_state
+
+    def _mean_ready(self) -> bool:
+        return self.aggregation == "decode" and can_stream(self.inner) and self.streaming
+
+    def _receive(self, server_round: int, msg: Message) -> None:
+        """Count, check and decode one reply, and add it to the round's aggregate (once per reply)."""
+        state = self._state(server_round)
+        if id(msg) in state.seen:  # the grid streamed it in; Flower's loop passes it again
+            return
+        state.seen[id(msg)] = msg
+        stats = self.rounds.setdefault(server_round, RoundStats())
+        node = msg.metadata.src_node_id
+        if msg.has_error():
+            stats.clients.append({"node": node, "status": f"error: {msg.error.reason}"})
+            if state.running is None:
+                state.collected.append(msg)  # the inner strategy counts and logs failures
+            return
+        wire = message_bytes(msg.content)
+        entry = {"node": node, "upload_bytes": wire, "status": "ok"}
+        stats.upload_bytes += wire
+        stats.clients.append(entry)
+        sent = next((d["download_bytes"] for d in stats.downloads if d["node"] == node), 0)
+        timing = self._timing(msg.content, node, wire, sent)
+        if timing is not None:
+            stats.links.append(timing)
+        resync = self._track_reference(msg.content, node)
+        if timing is not None and (timing["late"] or timing["status"] == "too-small-skipped") and resync is None:
+            entry["status"] = "late" if timing["late"] else timing["status"]
+            return
+        if resync is not None:
+            entry["status"] = f"resync: {resync}"
+            log(WARNING, "fedcomp: node %s asked for a full model in round %s: %s", node, server_round, resync)
+            return
+        try:
+            rest, other_bytes, arrays_key, decoded = self._decode_reply(msg.content, server_round, node)
+            weight = _metric(rest, self._weight_key()) if state.running is not None else None
+        except (fedcomp.FedcompError, KeyError, TypeError) as exc:
+            entry["status"] = f"dropped: {exc}"
+            log(WARNING, "fedcomp: dropping reply of node %s in round %s: %s", node, server_round, exc)
+            return
+        stats.upload_bytes_dense += other_bytes + self._dense_model_bytes
+        if self.aggregation == "sketch":
+            state.sketches.append((rest, decoded))
+        elif state.running is not None:
+            state.running.add(decoded, weight)
+            state.metrics.append(rest)
+        else:
+            rest[arrays_key] = ArrayRecord(self._rebuild(decoded))
+            msg.content = rest
+            state.collected.append(msg)
+
+    def _weight_key(self) -> str:
+        return getattr(self.inner, "weighted_by_key", "num-examples")
+
+    def _rebuild(self, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``model_i = base + update_i`` in the model's dtypes."""
+        return {name: (self._base[name].float() + delta[name].float()).to(self._base[name].dtype)
+                if self._base[name].is_floating_point() else self._base[name] + delta[name].to(self._base[name].dtype)
+                for name in self._layout.names}
+
+    def _finish_mean(self, server_round: int, state: _RoundState) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Hand the inner strategy one reply holding the weighted mean model (its weight is the
+        total, so FedAvg returns it unchanged and FedAdam & co. step from it); metrics are the
+        inner strategy's aggregate of every reply's metrics."""
+        running = state.running
+        assert running is not None
+        if running.count == 0 or running.weight <= 0:
+            log(WARNING, "fedcomp: no usable replies in round %s", server_round)
+            return None, None
+        mean = running.mean()
+        model = {}
+        for name in self._layout.names:
+            base = self._base[name]
+            if base.is_floating_point():
+                model[name] = (base.float() + mean[name]).to(base.dtype)
+            else:  # FedAvg averages integer buffers as floats; _as_layout rounds them back
+                model[name] = base.double() + mean[name]
+        key = self._weight_key()
+        arrays_key = state.arrays_key or "arrays"
+        metric_aggr = getattr(self.inner, "train_metrics_aggr_fn", None)
+        metrics = metric_aggr(state.metrics, key) if metric_aggr is not None else None
+        merged = Message(RecordDict({arrays_key: ArrayRecord(model), "metrics": MetricRecord({key: running.weight})}),
+                         dst_node_id=0, message_type="train")
+        log(INFO, "fedcomp: round %s aggregated %d replies as they arrived", server_round, running.count)
+        arrays, _ = self.inner.aggregate_train(server_round, [merged])
         return self._as_layout(arrays), metrics
 
     def _as_layout(self, arrays: ArrayRecord | None) -> ArrayRecord | None:
@@ -270,6 +428,44 @@ class CompressedStrategy(Strategy):
         dtypes = {t.name: t.torch_dtype for t in self._layout.tensors}
         return ArrayRecord({k: v.round().to(dtypes[k]) if v.is_floating_point() and not dtypes[k].is_floating_point
                             else v.to(dtypes[k]) for k, v in model.items()})
+
+    def _timing(self, content: RecordDict, node: int, wire: int, download_bytes: int) -> dict | None:
+        """Simulated times of one reply whose client reported a link (None: no link reported).
+
+        download = the bytes this node was sent / downlink + latency; compute as measured by
+        the client (decode, training, encode); upload = the reply's bytes / uplink + latency.
+        Status: ``too-small-skipped`` / ``too-small-coarsest`` as the client reported, else
+        ``over-budget`` or ``ok``; ``late``: past the client's deadline (dropped at it).
+        """
+        record = content.config_records.get(P.UPLOAD_RECORD)
+        if record is None or P.LINK not in record:
+            return None
+        try:
+            text = str(record[P.LINK])
+            link = links.link_from_mapping(dict(kv.split("=", 1) for kv in text.split()), f"node {node}'s link")
+            budget = int(record.get(P.BUDGET, -1))
+            compute_s = float(record.get(P.COMPUTE_S, 0.0))
+        except (ValueError, TypeError) as exc:
+            log(WARNING, "fedcomp: node %s reported a link the server cannot read (%s); no simulated time", node, exc)
+            return None
+        if link is None:
+            return None
+        t = links.client_time(link, download_bytes, wire, compute_s)
+        budget = None if budget < 0 else budget
+        status = str(record.get(P.BUDGET_STATUS, "ok"))
+        if status == "ok" and budget is not None and wire > budget:
+            status = "over-budget"  # the client reported a fit that the server counts larger: never silent
+        late = link.deadline_s is not None and t.total_s > link.deadline_s
+        if status != "ok":
+            log(WARNING, "fedcomp: node %s upload %s B, budget %s B: %s %s", node, wire, budget, status,
+                record.get(P.BUDGET_REASON, ""))
+        return {
+            "node": node, "link": text, "spec": str(record.get(P.SPEC, "")), "status": status, "late": late,
+            "upload_bytes": wire, "budget": budget, "download_bytes": download_bytes,
+            "download_bytes_seen": int(record.get(P.DOWNLOAD_SEEN, -1)),
+            "download_s": t.download_s, "compute_s": t.compute_s, "upload_s": t.upload_s, "total_s": t.total_s,
+            "deadline_s": link.deadline_s,
+        }
 
     def _track_reference(self, content: RecordDict, node: int) -> str | None:
         """Note the tier, version and CRC of the broadcast reference a reply reports.
@@ -339,9 +535,9 @@ class CompressedStrategy(Strategy):
 
     def _decode_reply(
         self, content: RecordDict, server_round: int, node: int
-    ) -> tuple[RecordDict, int, list[torch.Tensor] | None]:
-        """The reply as the inner strategy expects it, the bytes of its non-model records, and
-        (sketch aggregation) the undecoded sketch values."""
+    ) -> tuple[RecordDict, int, str, dict[str, torch.Tensor] | list[torch.Tensor]]:
+        """The reply's other records, their bytes, the name of the model's ArrayRecord, and the
+        decoded update (sketch aggregation: the undecoded sketch values)."""
         if P.UPLOAD_RECORD not in content.config_records:
             raise fedcomp.DecodeError(f"reply has no {P.UPLOAD_RECORD!r} record (is compression_mod installed on the client?)")
         if self._layout is None:
@@ -350,14 +546,24 @@ class CompressedStrategy(Strategy):
         payload = record[P.PAYLOAD]
         if not isinstance(payload, bytes):
             raise fedcomp.DecodeError(f"payload must be bytes, got {type(payload).__name__}")
+        spec = str(record.get(P.SPEC, self.upload.spec))
+        codec = self.upload
+        if spec != self.upload.spec:  # a budgeted client: its own free parameters (k, bits, rank, cols)
+            if not same_family(self.upload.spec, spec):
+                raise fedcomp.DecodeError(
+                    f"reported codec {spec!r} is not of the configured family {self.upload.spec!r}: a budget may "
+                    f"change the free parameters only (k, bits, block, rank, cols), not the stages")
+            codec = fedcomp.build_codec(spec)
         if self.aggregation == "sketch":
+            if codec is not self.upload:
+                raise fedcomp.DecodeError(f"sketch aggregation needs every client on {self.upload.spec!r}, got {spec!r}")
             values = self.upload.decode_values(payload, self._layout)
             if not all(bool(torch.isfinite(v).all()) for v in values):
                 raise fedcomp.FedcompError("sketch has NaN or Inf values")
             rest = RecordDict({k: v for k, v in content.items() if k != P.UPLOAD_RECORD})
-            _metric(rest, getattr(self.inner, "weighted_by_key", "num-examples"))  # weight must exist
-            return rest, message_bytes(rest), values
-        delta = self.upload.decode(payload, self._layout, round=server_round)
+            _metric(rest, self._weight_key())  # weight must exist
+            return rest, message_bytes(rest), str(record[P.ARRAYS_KEY]), values
+        delta = codec.decode(payload, self._layout, round=server_round)
         for name, t in delta.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise fedcomp.FedcompError(f"update of {name!r} has NaN or Inf values")
@@ -371,13 +577,8 @@ class CompressedStrategy(Strategy):
                     )
                 delta = {k: v + self.delta * held[1][k] if k in held[1] else v for k, v in delta.items()}
             self._last[node] = (server_round, {k: v for k, v in delta.items() if v.is_floating_point()})
-        model = {name: (self._base[name].float() + delta[name].float()).to(self._base[name].dtype)
-                 if self._base[name].is_floating_point() else self._base[name] + delta[name]
-                 for name in self._layout.names}
         rest = RecordDict({k: v for k, v in content.items() if k != P.UPLOAD_RECORD})
-        other_bytes = message_bytes(rest)
-        rest[str(record[P.ARRAYS_KEY])] = ArrayRecord(model)
-        return rest, other_bytes, None
+        return rest, message_bytes(rest), str(record[P.ARRAYS_KEY]), delta
 
     # -- federated evaluation: passed through uncompressed (the project's app evaluates centrally) --
     def configure_evaluate(

@@ -1,0 +1,183 @@
+"""Byte-budget controller: every budgetable codec fills its budget to within 2%, never over it."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fedcomp
+from fedcomp import budget
+from fedcomp.budget import BudgetTooSmall, fit_budget, fit_update, limits, same_family
+
+OVERHEAD = 64  # bytes of record framing the caller counts into the budget
+LOW = 2_000  # below this, one step of a fine parameter (e.g. 5 sketch cells = 20 B) can exceed 2%
+
+# every codec family with a free parameter; other arguments as a user might write them
+BUDGETED = [
+    "topk(ratio=0.01)",  # Rice-coded indices: measured on the real encoder
+    "topk(ratio=0.01,index='fixed')+qsgd(bits=4)",
+    "topk(ratio=0.05,scope='tensor')+fp16()",
+    "randomk(ratio=0.1)",
+    "randomk(ratio=0.1)+kbit(bits=8)",
+    "threshold(tau=0.001)",  # static tau: budgeted as adaptive
+    "threshold(ratio=0.01,mode='signed')+none()",
+    "dgc(ratio=0.01,momentum=0.9)",
+    "kbit(bits=4)",
+    "qsgd(bits=4)",
+    "powersgd(rank=2)+kbit(bits=4)",
+    "powersgd(rank=1)+qsgd(bits=4)",
+    "sketch(rows=5,cols=1000)",
+]
+
+
+@functools.cache
+def update() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"0.weight": (128, 64), "0.bias": (128,), "2.weight": (10, 128), "2.bias": (10,)}
+    out = {n: torch.randn(s, generator=gen) * 0.01 for n, s in shapes.items()}
+    out["steps"] = torch.tensor([3], dtype=torch.int64)  # a non-float tensor travels raw
+    return out
+
+
+def measure(codec) -> int:
+    return len(codec.encode(update(), nonce=5, round=3).payload)
+
+
+@functools.cache
+def range_of(spec: str) -> tuple[int, int]:
+    return limits(spec, fedcomp.Layout.of(update()), overhead=OVERHEAD, measure=measure)
+
+
+FITS = settings(max_examples=15, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("spec", BUDGETED)
+@FITS
+@given(u=st.floats(0, 1))
+def test_fit_is_within_budget_and_fills_98_percent(spec, u):
+    lo, hi = range_of(spec)
+    start = max(lo, LOW)
+    assert hi > start, f"{spec}: range {lo}..{hi} too small for the test model"
+    b = int(start * (hi / start) ** u)
+    fit = fit_update(spec, update(), b, overhead=OVERHEAD, nonce=5, round=3)
+    real = len(fit.encoded.payload) + OVERHEAD
+    assert real == fit.message_bytes <= b
+    assert real >= budget.FILL * b, f"{fit.spec}: {real} B for a budget of {b} B"
+    assert not fit.saturated
+    # the server side: the reported spec parses, is the configured family, and decodes the payload
+    codec = fedcomp.build_codec(fit.spec)
+    assert same_family(spec, fit.spec)
+    decoded = codec.decode(fit.encoded.payload, fedcomp.Layout.of(update()), round=3)
+    for name, t in fit.encoded.decoded.items():
+        assert torch.equal(decoded[name], t)
+
+
+@pytest.mark.parametrize("spec", BUDGETED)
+def test_budget_below_range_says_it_does_not_fit(spec):
+    lo, _ = range_of(spec)
+    with pytest.raises(BudgetTooSmall) as info:
+        fit_update(spec, update(), lo - 1, overhead=OVERHEAD, nonce=5, round=3)
+    assert info.value.minimum == lo and info.value.budget == lo - 1
+    assert str(lo) in str(info.value)
+    fit = fit_update(spec, update(), lo, overhead=OVERHEAD, nonce=5, round=3)  # exactly the minimum fits
+    assert fit.message_bytes == lo
+
+
+@pytest.mark.parametrize("spec", ["kbit(bits=4)", "topk(ratio=0.01)", "powersgd(rank=1)"])
+def test_budget_above_range_is_saturated(spec):
+    _, hi = range_of(spec)
+    fit = fit_update(spec, update(), 3 * hi, overhead=OVERHEAD)
+    assert fit.saturated and fit.message_bytes == hi
+
+
+@FITS
+@given(u=st.floats(0, 1))
+def test_powersgd_without_bit_quantizer_takes_the_highest_rank_that_fits(u):
+    """fp32 PowerSGD has only its rank (coarse steps): it never exceeds, and rank + 1 would have."""
+    lo, hi = range_of("powersgd(rank=1)")
+    b = int(lo * (hi / lo) ** u)
+    fit = fit_update("powersgd(rank=1)", update(), b, overhead=OVERHEAD)
+    assert len(fit.encoded.payload) + OVERHEAD == fit.message_bytes <= b
+    r = fit.codec.reducer.config.rank
+    bigger = fedcomp.Codec(fit.spec.replace(f"rank={r},", f"rank={r + 1},"))
+    assert fit.saturated or bigger.size_bytes(fedcomp.Layout.of(update())) + OVERHEAD > b
+
+
+def test_data_dependent_sizes_need_measure():
+    with pytest.raises(fedcomp.SpecError, match="depends on the data"):
+        fit_budget("topk(ratio=0.01)", fedcomp.Layout.of(update()), 5_000)
+    assert fit_budget("topk(ratio=0.01,index='fixed')", fedcomp.Layout.of(update()), 5_000).message_bytes <= 5_000
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("none()", "no parameter a byte budget can set"),
+    ("fp16()", "no parameter a byte budget can set"),
+    ("topk(ratio=0.01)", "positive integer"),
+])
+def test_bad_requests_fail_clearly(spec, message):
+    b = 0 if message == "positive integer" else 5_000
+    with pytest.raises(fedcomp.SpecError, match=message):
+        fit_budget(spec, fedcomp.Layout.of(update()), b, measure=measure)
+
+
+def test_fit_update_matches_compress_and_leaves_state_alone():
+    """The fit's encode is what compress() produces with the chosen codec on the client's real state."""
+    upd = {k: v for k, v in update().items() if v.is_floating_point()}
+    residual = {k: torch.full_like(v, 0.001) for k, v in upd.items()}
+    state = {f"dgc.u/{k}": torch.full_like(v, 0.002) for k, v in upd.items()}
+    before = copy.deepcopy(state)
+    fit = fit_update("dgc(ratio=0.01)", upd, 3_000, residual, overhead=OVERHEAD, nonce=9, round=4, state=state)
+    assert all(torch.equal(state[k], before[k]) for k in state)
+    enc, res = fedcomp.compress(fit.codec, upd, residual, nonce=9, round=4, state=state)
+    assert enc.payload == fit.encoded.payload
+    assert all(torch.equal(res[k], fit.residual[k]) for k in res)
+    assert all(torch.equal(state[k], fit.state[k]) for k in state)
+
+
+def test_same_family():
+    assert same_family("topk(ratio=0.01)+qsgd(bits=4)", "topk(ratio=0.2,scope='global',index='rice')+qsgd(bits=4)")
+    assert not same_family("topk(ratio=0.01)+qsgd(bits=4)", "randomk(ratio=0.01)+qsgd(bits=4)")
+    assert not same_family("topk(ratio=0.01)+qsgd(bits=4)", "topk(ratio=0.01)")
+
+
+# -- client side: the whole reply, counted as the server counts it, fits the link's budget -----------
+def _build(payload: bytes, spec: str):
+    from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+    return RecordDict({
+        "fedcomp.upload": ConfigRecord({"payload": payload, "spec": spec, "link": "uplink-kbps=200 downlink-kbps=1000"}),
+        "metrics": MetricRecord({"train_loss": 0.5, "num-examples": 120}),
+    })
+
+
+@pytest.mark.parametrize("cap", [2_500, 3_333, 5_000])
+def test_budgeted_reply_fits_the_byte_cap(cap):
+    from clients.budgeting import budgeted_upload, reply_bytes
+    from simulations.links import Link
+
+    upd = {k: v for k, v in update().items() if v.is_floating_point()}
+    out = budgeted_upload("topk(ratio=0.01)+qsgd(bits=4)", upd, None, link=Link(200, 1000, 300, byte_cap=cap),
+                          download_bytes=0, compute_s=0.0, build=_build, nonce=1, round=2, state=None,
+                          error_feedback=True)
+    real = reply_bytes(out.content)
+    assert out.status == "fit" and real <= cap and real >= budget.FILL * cap
+    assert out.content["fedcomp.upload"]["payload"] == out.encoded.payload
+
+
+def test_budgeted_reply_too_small_skips_or_sends_coarsest():
+    from clients.budgeting import budgeted_upload
+    from simulations.links import Link
+
+    upd = {k: v for k, v in update().items() if v.is_floating_point()}
+    kw = dict(link=Link(200, 1000, 300, byte_cap=100), download_bytes=0, compute_s=0.0, build=_build, nonce=1,
+              round=2, state=None, error_feedback=True)
+    skipped = budgeted_upload("kbit(bits=4)", upd, None, fallback="skip", **kw)
+    assert skipped.encoded is None and skipped.status == "too-small-skipped"
+    assert all(torch.equal(skipped.residual[k], upd[k]) for k in upd)  # nothing lost: all kept for later
+    coarse = budgeted_upload("kbit(bits=4)", upd, None, fallback="coarsest", **kw)
+    assert coarse.status == "too-small-coarsest" and coarse.spec.startswith("kbit(bits=1,")
