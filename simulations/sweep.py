@@ -97,7 +97,7 @@ def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dic
             P.TIER: 0, P.TIERS: 1, P.TIER_KBPS: "",
             P.LAYOUT: layout.to_json(), P.UPLOAD_SPEC: codec.spec, P.DOWNLOAD_SPEC: "none()",
             P.ERROR_FEEDBACK: error_feedback, P.SEED: seed, P.ROUND: rnd, P.ARRAYS_KEY: "arrays",
-            P.DELTA: 0.0, P.DELTA_REF: 0})})
+            P.DELTA: 0.0, P.DELTA_REF: 0, P.LINK_PROFILE: "none", P.DEADLINE: 0.0, P.FALLBACK: "skip"})})
         down_dense = RecordDict({"arrays": ArrayRecord(global_state), "config": ConfigRecord({"server-round": rnd})})
         if down_bytes is None:
             down_bytes, down_bytes_dense = message_bytes(down_msg), message_bytes(down_dense)
