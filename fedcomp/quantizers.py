@@ -86,6 +86,21 @@ def _chunked_encode(encode_one, x: torch.Tensor, out: Writer, gen, block: int) -
     return y
 
 
+def _chunked_values(values_one, codes: torch.Tensor, params: torch.Tensor, block: int) -> torch.Tensor:
+    """Decoded values of ``codes`` (uint8, one per element) in block-aligned chunks:
+    ``values_one(codes chunk, params rows of its blocks) -> fp32 chunk``, written into one output
+    tensor, so the temporaries of the arithmetic are chunk-sized (see :func:`_chunked_encode`)."""
+    m = codes.numel()
+    if block == 0 or m <= _ENCODE_CHUNK:
+        return values_one(codes, params)
+    size = block_size(m, block)
+    step = max(1, _ENCODE_CHUNK // size) * size
+    y = torch.empty(m, dtype=torch.float32, device=codes.device)
+    for start in range(0, m, step):
+        y[start:start + step] = values_one(codes[start:start + step], params[start // size:(start + step) // size + 1])
+    return y
+
+
 def _uniform(shape: torch.Size, gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
     return torch.rand(shape, generator=gen, device=device)
 
@@ -313,7 +328,8 @@ class KBit(Quantizer):
             return torch.empty(0, device=device)
         params = src.tensor(2 * blocks(count, self.config.block), torch.float32).to(device).view(-1, 2)
         q = unpack_codes(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
-        return self._values(q, params[:, 0].contiguous(), params[:, 1].contiguous(), count)
+        return _chunked_values(lambda c, p: self._values(c, p[:, 0].contiguous(), p[:, 1].contiguous(), c.numel()),
+                               q, params, self.config.block)
 
 
 @register
@@ -384,7 +400,8 @@ class QSGD(Quantizer):
         norm = src.tensor(blocks(count, self.config.bucket), torch.float32).to(device)
         codes = unpack_codes(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
         top = self.config.bits - 1
-        return self._values(norm, codes & ((1 << top) - 1), codes >> top, count)
+        return _chunked_values(lambda c, nrm: self._values(nrm, c & ((1 << top) - 1), c >> top, c.numel()),
+                               codes, norm, self.config.bucket)
 
 
 @register
