@@ -59,6 +59,22 @@ def unpack_bits(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     return (flat * weights).sum(dim=1)
 
 
+def unpack_codes(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """:func:`unpack_bits` for quantizer codes of at most 8 bits, as uint8 (a quarter of the
+    memory of int64 codes; widths that do not divide 8 go through :func:`unpack_bits`)."""
+    if bits > 8:
+        raise ValueError(f"unpack_codes takes 1..8 bits, got {bits}")
+    if 8 % bits:
+        return unpack_bits(data, count, bits).to(torch.uint8)
+    if data.numel() != packed_bytes(count, bits):
+        raise DecodeError(f"bit stream holds {data.numel()} bytes, {count} values of {bits} bits need {packed_bytes(count, bits)}")
+    if bits == 8:
+        return data[:count].clone()
+    per = 8 // bits
+    shifts = torch.arange(8 - bits, -1, -bits, device=data.device, dtype=torch.uint8)
+    return ((data.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
+
+
 def fixed_index_bits(n: int) -> int:
     """Bits per index for plain fixed-width index coding over n positions."""
     return max(1, math.ceil(math.log2(n))) if n > 1 else 1

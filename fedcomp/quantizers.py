@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fedcomp.base import Quantizer, block_size, blocks, register
-from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits
+from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits, unpack_codes
 from fedcomp.errors import DecodeError
 from fedcomp.wire import Reader, Writer
 
@@ -32,6 +32,73 @@ def _block_counts(count: int, block: int, device: torch.device) -> torch.Tensor:
     if nb and count % size:
         sizes[-1] = count % size
     return sizes
+
+
+def _per_block_(y: torch.Tensor, block: int, mul: torch.Tensor | None, add: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: y[j] = y[j] * mul[b] (+ add[b]) for each element j of block b (block 0: one
+    block). Broadcast per block instead of repeating the parameters to full length."""
+    m = y.numel()
+    size = block_size(m, block)
+    full = (m // size) * size
+    nfull = full // size
+    head = y[:full].view(nfull, size)
+    if mul is not None:
+        head.mul_(mul[:nfull, None])
+    if add is not None:
+        head.add_(add[:nfull, None])
+    if full < m:
+        if mul is not None:
+            y[full:].mul_(mul[nfull])
+        if add is not None:
+            y[full:].add_(add[nfull])
+    return y
+
+
+_ENCODE_CHUNK = 1 << 20  # elements per encode step of blockwise quantizers (4 MB of fp32)
+
+
+def _chunked_encode(encode_one, x: torch.Tensor, out: Writer, gen, block: int) -> torch.Tensor:
+    """Encode ``x`` in block-aligned chunks of about 1M elements with ``encode_one(chunk, writer,
+    gen) -> decoded chunk``, which writes [per-block parameters, packed codes]; the payload holds
+    all parameters, then all codes, exactly as one call over ``x`` would lay them out.
+
+    Why: a full-size temporary is a fresh allocation, and on Linux every fresh 4 kB page of it
+    faults on first touch (about 8x the cost of writing into reused memory); chunk-sized
+    temporaries are reused by the allocator. Chunks hold a multiple of 8 blocks, so packed codes
+    of any width end on a byte boundary.
+    """
+    m = x.numel()
+    if block == 0 or m <= _ENCODE_CHUNK:
+        return encode_one(x, out, gen)
+    size = block_size(m, block)
+    step = max(8, (_ENCODE_CHUNK // size) // 8 * 8) * size
+    if m <= step:
+        return encode_one(x, out, gen)
+    y = torch.empty(m, dtype=torch.float32, device=x.device)
+    params, codes = [], []
+    for start in range(0, m, step):
+        part = Writer(x.device)
+        y[start:start + step] = encode_one(x[start:start + step], part, gen)
+        params.append(part.parts[0])
+        codes.append(part.parts[1])
+    out.parts.append(torch.cat(params))
+    out.parts.append(torch.cat(codes))
+    return y
+
+
+def _chunked_values(values_one, codes: torch.Tensor, params: torch.Tensor, block: int) -> torch.Tensor:
+    """Decoded values of ``codes`` (uint8, one per element) in block-aligned chunks:
+    ``values_one(codes chunk, params rows of its blocks) -> fp32 chunk``, written into one output
+    tensor, so the temporaries of the arithmetic are chunk-sized (see :func:`_chunked_encode`)."""
+    m = codes.numel()
+    if block == 0 or m <= _ENCODE_CHUNK:
+        return values_one(codes, params)
+    size = block_size(m, block)
+    step = max(1, _ENCODE_CHUNK // size) * size
+    y = torch.empty(m, dtype=torch.float32, device=codes.device)
+    for start in range(0, m, step):
+        y[start:start + step] = values_one(codes[start:start + step], params[start // size:(start + step) // size + 1])
+    return y
 
 
 def _uniform(shape: torch.Size, gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -230,6 +297,9 @@ class KBit(Quantizer):
         return 8 * blocks(count, self.config.block) + packed_bytes(count, self.config.bits)
 
     def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        return _chunked_encode(self._encode_one, x, out, gen, self.config.block)
+
+    def _encode_one(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
         m, block, levels = x.numel(), self.config.block, (1 << self.config.bits) - 1
         if m == 0:
             return x
@@ -244,21 +314,22 @@ class KBit(Quantizer):
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         t = (rows - lo[:, None]) / safe[:, None]
         t = torch.floor(t + _uniform(t.shape, gen, x.device)) if self.config.stochastic else torch.round(t)
-        q = t.clamp_(0, levels).reshape(-1)[:m]
+        q = t.clamp_(0, levels).reshape(-1)[:m].to(torch.uint8)
         out.tensor(torch.stack([lo, scale], dim=1))
-        out.tensor(pack_bits(q.to(torch.int64), self.config.bits))
+        out.tensor(pack_bits(q, self.config.bits))
         return self._values(q, lo, scale, m)
 
     def _values(self, q: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, m: int) -> torch.Tensor:
-        per = block_size(m, self.config.block)
-        return q * scale.repeat_interleave(per)[:m] + lo.repeat_interleave(per)[:m]
+        """q * scale + lo per block (q: integer codes of any dtype; a new fp32 tensor)."""
+        return _per_block_(q.to(torch.float32, copy=True), self.config.block, scale, lo)
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         if count == 0:
             return torch.empty(0, device=device)
         params = src.tensor(2 * blocks(count, self.config.block), torch.float32).to(device).view(-1, 2)
-        q = unpack_bits(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
-        return self._values(q.float(), params[:, 0], params[:, 1], count)
+        q = unpack_codes(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
+        return _chunked_values(lambda c, p: self._values(c, p[:, 0].contiguous(), p[:, 1].contiguous(), c.numel()),
+                               q, params, self.config.block)
 
 
 @register
@@ -301,6 +372,9 @@ class QSGD(Quantizer):
         return 4 * blocks(count, self.config.bucket) + packed_bytes(count, self.config.bits)
 
     def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        return _chunked_encode(self._encode_one, x, out, gen, self.config.bucket)
+
+    def _encode_one(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
         m, s = x.numel(), self.levels
         if m == 0:
             return x
@@ -308,23 +382,26 @@ class QSGD(Quantizer):
         norm = rows.abs().amax(dim=1) if self.config.norm == "max" else torch.linalg.vector_norm(rows, dim=1)
         safe = torch.where(norm > 0, norm, torch.ones_like(norm))
         ratio = (rows.abs() * s / safe[:, None]).reshape(-1)[:m]
-        level = torch.floor(ratio + _uniform(ratio.shape, gen, x.device)).clamp_(0, s).to(torch.int64)
-        negative = (x < 0).to(torch.int64)
+        ratio.add_(_uniform(ratio.shape, gen, x.device)).floor_().clamp_(0, s)
+        level = ratio.to(torch.uint8)
+        negative = (x < 0).to(torch.uint8)
         out.tensor(norm)
         out.tensor(pack_bits((negative << (self.config.bits - 1)) | level, self.config.bits))
         return self._values(norm, level, negative, m)
 
     def _values(self, norm: torch.Tensor, level: torch.Tensor, negative: torch.Tensor, m: int) -> torch.Tensor:
-        per = norm.repeat_interleave(block_size(m, self.config.bucket))[:m]
-        return per * level.float() * (1 - 2 * negative).float() / self.levels
+        """norm * (+-level) / s per bucket (level, negative: uint8; a new fp32 tensor)."""
+        signed = level.to(torch.int8) * (1 - 2 * negative.to(torch.int8))  # int8: |level| <= 127
+        return _per_block_(signed.to(torch.float32), self.config.bucket, norm / self.levels)
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         if count == 0:
             return torch.empty(0, device=device)
         norm = src.tensor(blocks(count, self.config.bucket), torch.float32).to(device)
-        codes = unpack_bits(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
+        codes = unpack_codes(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
         top = self.config.bits - 1
-        return self._values(norm, codes & ((1 << top) - 1), codes >> top, count)
+        return _chunked_values(lambda c, nrm: self._values(nrm, c & ((1 << top) - 1), c >> top, c.numel()),
+                               codes, norm, self.config.bucket)
 
 
 @register

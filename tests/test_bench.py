@@ -1,0 +1,63 @@
+"""Smoke tests of the benchmark and sweep scripts at tiny sizes: they run and their numbers are sane."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from simulations import bench_codecs, bench_server, bench_wire, sweep
+
+
+def test_bench_wire_bounds(tmp_path):
+    out = tmp_path / "wire.json"
+    bench_wire.main(["--n", "20000", "--ratios", "0.01", "--json", str(out)])
+    rows = {r["codec"]: r for r in json.loads(out.read_text())}
+    rice = rows["topk(ratio=0.01)+qsgd(bits=4)"]
+    assert rice["kept"] == 200
+    # Rice coding sits above the information limit, and not far (headers included)
+    assert rice["index_bound_bits"] < rice["index_bits_per_kept"] < 1.1 * rice["index_bound_bits"]
+    assert rows["topk(ratio=0.01,index='fixed')"]["index_bits_per_kept"] > rice["index_bits_per_kept"]
+    assert 0 < rice["symbol_entropy_bits"] <= 4.0 <= rice["value_bits_per_kept"]
+    assert rows["none()"]["payload_bytes"] == 4 * 20000 + 28
+
+
+def test_bench_codecs_rows(tmp_path):
+    out = tmp_path / "codecs.json"
+    bench_codecs.main(["--sizes", "10000", "--repeats", "1", "--cpu-only", "--json", str(out),
+                       "--codecs", "kbit(bits=4)", "topk(ratio=0.001)+qsgd(bits=4)"])
+    rows = json.loads(out.read_text())
+    assert [r["codec"] for r in rows] == ["kbit(bits=4)", "topk(ratio=0.001)+qsgd(bits=4)"]
+    for r in rows:
+        assert r["size"] == 10000 and r["read_s"] > 0
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("encode_x", "decode_x", "decode_acc_x"))
+    assert rows[1]["encode_target_x"] == 5.0 and rows[0]["encode_target_x"] == 3.0
+
+
+def test_bench_server_memory_rows(tmp_path):
+    out = tmp_path / "server.json"
+    bench_server.main(["--params", "50000", "--clients", "2", "4", "--codecs", "topk(ratio=0.01)+qsgd(bits=4)",
+                       "--distinct", "2", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [r["clients"] for r in rows] == [2, 4]
+    assert rows[1]["payload_bytes"] == 2 * rows[0]["payload_bytes"]
+    for r in rows:
+        assert r["params"] >= 45000 and r["dense_bytes"] == 4 * (r["params"] - 1) + 8
+        assert r["seconds_per_client"] > 0 and r["peak_above_base_bytes"] >= 0
+
+
+def test_sweep_tiny(tmp_path):
+    sweep.main(["--rounds", "2", "--clients", "3", "--jobs", "1", "--out", str(tmp_path),
+                "--codecs", "topk(ratio=0.01)+qsgd(bits=4)", "kbit(bits=8):noef"])
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    summary = {(s["upload"], s["error_feedback"]): s for s in data["summary"]}
+    assert set(summary) == {("none()", False), ("topk(ratio=0.01)+qsgd(bits=4)", True), ("kbit(bits=8)", False)}
+    dense = summary[("none()", False)]
+    assert abs(dense["reduction"] - 1.0) < 0.01 and dense["delta_points"] == 0
+    assert summary[("topk(ratio=0.01)+qsgd(bits=4)", True)]["reduction"] > 100
+    assert 3 < summary[("kbit(bits=8)", False)]["reduction"] < 4.1
+    for run in data["runs"]:
+        assert [r["round"] for r in run["rounds"]] == [1, 2]
+        assert all(0 <= r["accuracy"] <= 1 and r["upload_bytes"] > 0 for r in run["rounds"])
+    assert "| `none()` | off |" in (tmp_path / "sweep.md").read_text()
+    assert (tmp_path / "sweep_accuracy_vs_upload.png").stat().st_size > 0
+    assert (tmp_path / "sweep_accuracy_vs_round.png").stat().st_size > 0
