@@ -103,6 +103,39 @@ def _held_reference(context: Context) -> tuple[dict[str, torch.Tensor] | None, t
         int(info[P.TIER]), int(info[P.REF_VERSION]), int(info[P.REF_CRC]))
 
 
+def _return_unacknowledged(context: Context, cfg, residual, use_ef: bool):
+    """Nothing lost: if the update sent last time never reached the aggregate (dropped as
+    corrupt, late, or its reply lost), the server's ack says so and it goes back into the
+    residual, to be sent again. An acknowledged one is simply forgotten."""
+    if P.PENDING_INFO_STATE not in context.state.config_records:
+        return residual
+    sent_round = int(context.state.config_records[P.PENDING_INFO_STATE]["round"])
+    pending = _torch_dict(context.state.array_records[P.PENDING_STATE]) if P.PENDING_STATE in context.state else {}
+    for key in (P.PENDING_STATE, P.PENDING_INFO_STATE):
+        if key in context.state:
+            del context.state[key]
+    ack = int(cfg.get(P.ACK_ROUND, sent_round))  # a server that does not ack: assume it arrived
+    if ack >= sent_round or not use_ef:
+        return residual
+    residual = dict(residual or {})
+    for name, update in pending.items():
+        if name in residual and residual[name].shape == update.shape:
+            residual[name] = residual[name] + update.to(residual[name].dtype)
+        else:
+            residual[name] = update.clone()
+    return residual
+
+
+def _keep_pending(context: Context, cfg, encoded, server_round: int, use_ef: bool, beta: float) -> None:
+    """Remember what this reply carries until the server acknowledges it (error feedback on, no
+    delta coding: with delta coding a dropped reply already restarts the reference)."""
+    if not use_ef or beta > 0 or P.ACK_ROUND not in cfg:
+        return
+    context.state[P.PENDING_STATE] = ArrayRecord(
+        {k: v.detach().cpu() for k, v in encoded.decoded.items() if v.is_floating_point()})
+    context.state[P.PENDING_INFO_STATE] = ConfigRecord({"round": server_round})
+
+
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Flower mod: decode the compressed broadcast, compress the reply (see module docstring)."""
     if not msg.has_content() or P.DOWNLOAD_RECORD not in msg.content.config_records:
@@ -163,6 +196,7 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     residual = _torch_dict(context.state.array_records[P.RESIDUAL_STATE]) if (
         use_ef and P.RESIDUAL_STATE in context.state.array_records
     ) else None
+    residual = _return_unacknowledged(context, cfg, residual, use_ef)
     # delta coding: encode update - beta * (what the server reconstructed from our last reply),
     # only when the server holds that same reference (else send the plain update: a resync)
     beta = float(cfg.get(P.DELTA, 0.0))
@@ -203,6 +237,7 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
                 for k, v in encoded.decoded.items() if v.is_floating_point()}
         context.state[P.LAST_SENT_STATE] = ArrayRecord({k: v.cpu() for k, v in sent.items()})
         context.state[P.LAST_ROUND_STATE] = ConfigRecord({"round": server_round})
+    _keep_pending(context, cfg, encoded, server_round, use_ef and bool(new_residual), beta)
 
     rest[P.UPLOAD_RECORD] = ConfigRecord({P.PAYLOAD: encoded.payload, **record})
     reply.content = rest
@@ -248,6 +283,8 @@ def _budgeted_reply(context, cfg, spec, link, delta, residual, state, rest, reco
                 for k, v in result.encoded.decoded.items() if v.is_floating_point()}
         context.state[P.LAST_SENT_STATE] = ArrayRecord({k: v.cpu() for k, v in sent.items()})
         context.state[P.LAST_ROUND_STATE] = ConfigRecord({"round": server_round})
+    if result.encoded is not None:
+        _keep_pending(context, cfg, result.encoded, server_round, use_ef and bool(result.residual), beta)
     encode_s = perf_counter() - encode_start  # the fit's search included: the client pays for it
     context.state[P.ENCODE_STATE] = ConfigRecord({"s": (history + [encode_s])[-ENCODE_HISTORY:]})
     if result.content is None:  # skipped: no payload, the update stays in the residual

@@ -70,3 +70,8 @@ BUDGET_REASON = "budget-reason"  # str: why the budget was too small (with BUDGE
 COMPUTE_S = "compute-s"  # float: measured seconds of decode + training + encode this round
 DOWNLOAD_SEEN = "download-bytes"  # int: bytes of the broadcast as the client counted them
 ENCODE_STATE = "fedcomp.encode-seconds"  # Context.state: ConfigRecord {"s": recent encode seconds}
+
+# -- nothing lost: the server acknowledges aggregated replies; the client re-adds the rest --
+ACK_ROUND = "ack-round"  # int (server -> client): round of this node's last reply that reached the aggregate
+PENDING_STATE = "fedcomp.pending"  # Context.state: the update the client sent last (as the server decodes it)
+PENDING_INFO_STATE = "fedcomp.pending-info"  # Context.state: ConfigRecord {"round": round it was sent in}

@@ -203,6 +203,7 @@ class CompressedStrategy(Strategy):
         self.tiers = [Tier(i, spec, download_max_stale) for i, spec in enumerate(parse_tiers(download))]
         self.tier_kbps = ",".join(str(v) for v in parse_thresholds(download_tier_kbps, len(self.tiers)))
         self._held: dict[int, tuple[int, int, int]] = {}  # node -> (tier, version, crc) it reported
+        self._aggregated: dict[int, int] = {}  # node -> round of its last reply that reached the aggregate
         self._want: dict[int, int] = {}  # node -> the tier it asked for
         if aggregation not in ("decode", "sketch"):
             raise fedcomp.SpecError(f"aggregation={aggregation!r} is invalid: aggregation must be 'decode' or 'sketch'")
@@ -310,6 +311,7 @@ class CompressedStrategy(Strategy):
                 P.ARRAYS_KEY: array_keys[0],
                 P.DELTA: self.delta,
                 P.DELTA_REF: self._last.get(node, (0, None))[0] if self.delta else 0,
+                P.ACK_ROUND: self._aggregated.get(node, 0),
                 P.LINK_PROFILE: self.link_profile,
                 P.DEADLINE: self.round_deadline_s,
                 P.FALLBACK: self.budget_fallback,
@@ -408,6 +410,7 @@ class CompressedStrategy(Strategy):
             log(WARNING, "fedcomp: dropping reply of node %s in round %s: %s", node, server_round, exc)
             return
         stats.upload_bytes_dense += other_bytes + self._dense_model_bytes
+        self._aggregated[node] = server_round  # acknowledged in its next broadcast
         if self.aggregation == "sketch":
             state.sketches.append((rest, decoded))
         elif state.running is not None:

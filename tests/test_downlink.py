@@ -250,3 +250,40 @@ def test_apply_plan_refuses_what_it_cannot_rebuild():
         apply_plan(model, (0, 0, reference_crc(model)), **{**kwargs, "payloads": [step.payload[:-3]]})
     got, info = apply_plan(model, (0, 0, reference_crc(model)), **kwargs)
     assert info == (0, 1, step.crc) and all(torch.equal(got[k], tier.reference[k]) for k in got)
+
+
+# -- nothing lost: a reply that never reaches the aggregate goes back into the residual ----------
+
+
+def _shift_app(shift):
+    def app(msg: Message, context: Context) -> Message:
+        received = msg.content.array_records["arrays"].to_torch_state_dict()
+        trained = {k: v + shift[k] if v.is_floating_point() else v for k, v in received.items()}
+        return Message(RecordDict({"arrays": ArrayRecord(trained), "metrics": MetricRecord({"num-examples": 4})}),
+                       reply_to=msg)
+
+    return app
+
+
+@pytest.mark.parametrize("lose", ["corrupt", "lost"])
+def test_update_of_a_dropped_reply_returns_to_the_residual(lose):
+    g = torch.Generator().manual_seed(3)
+    model = {"w": torch.zeros(40, 30), "b": torch.zeros(30)}
+    shift = {"w": torch.randn(40, 30, generator=g), "b": torch.randn(30, generator=g)}
+    strategy = CompressedStrategy(FedAvg(fraction_train=1.0, min_available_nodes=1, min_train_nodes=1),
+                                  upload="topk(ratio=0.05)", download="none()")
+    context = _context(1)
+    for r in (1, 2, 3):
+        (msg,) = strategy.configure_train(r, ArrayRecord(model), ConfigRecord({}), FakeGrid([1]))
+        reply = compression_mod(msg, context, _shift_app(shift))
+        if r == 2 and lose == "corrupt":
+            record = reply.content.config_records[P.UPLOAD_RECORD]
+            record[P.PAYLOAD] = record[P.PAYLOAD][:-1] + bytes([record[P.PAYLOAD][-1] ^ 1])
+        replies = [] if (r == 2 and lose == "lost") else [reply]
+        arrays, _ = strategy.aggregate_train(r, replies)
+        if arrays is not None:
+            model = arrays.to_torch_state_dict()
+    residual = context.state.array_records[P.RESIDUAL_STATE].to_torch_state_dict()
+    # what reached the model plus what waits in the residual is every update the client made
+    for name in shift:
+        torch.testing.assert_close(model[name] + residual[name], 3 * shift[name], rtol=0, atol=1e-5)
