@@ -9,10 +9,13 @@ Per training round:
    or the full reference on first contact and resyncs; plus the layout, codec specs, seed,
    round (see :mod:`fedcomp.protocol`).
 3. Replies carry the ``upload`` codec's payload of the client's update. The wrapper decodes
-   each one (a reply that fails is dropped with its reason logged; the round goes on),
-   rebuilds ``model_i = global model + update_i`` and hands the inner strategy replies
-   that look exactly like uncompressed ones, so FedAvg, FedAdam, FedMedian, Krum... aggregate
-   as usual.
+   each one as it arrives (:mod:`strategies.streaming`; a reply that fails is dropped with its
+   reason logged; the round goes on). For weighted-mean strategies (FedAvg, FedProx, FedAvgM,
+   the FedOpt family) it adds the update to a running mean and hands the inner strategy one
+   reply holding it; for the others it rebuilds ``model_i = global model + update_i`` and hands
+   over replies that look exactly like uncompressed ones (FedMedian, Krum...).
+4. The next broadcast acknowledges each node's last aggregated round, so a client puts an
+   update that never reached the aggregate back into its residual.
 
 Bytes are counted as Flower sends them: the deflated size of every object in a message's
 content tree (records, arrays, array chunks), per client.
