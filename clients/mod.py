@@ -103,6 +103,12 @@ def _held_reference(context: Context) -> tuple[dict[str, torch.Tensor] | None, t
         int(info[P.TIER]), int(info[P.REF_VERSION]), int(info[P.REF_CRC]))
 
 
+def _forget(context: Context, *keys: str) -> None:
+    for key in keys:
+        if key in context.state:
+            del context.state[key]
+
+
 def _return_unacknowledged(context: Context, cfg, residual, use_ef: bool):
     """Nothing lost: if the update sent last time never reached the aggregate (dropped as
     corrupt, late, or its reply lost), the server's ack says so and it goes back into the
@@ -111,9 +117,7 @@ def _return_unacknowledged(context: Context, cfg, residual, use_ef: bool):
         return residual
     sent_round = int(context.state.config_records[P.PENDING_INFO_STATE]["round"])
     pending = _torch_dict(context.state.array_records[P.PENDING_STATE]) if P.PENDING_STATE in context.state else {}
-    for key in (P.PENDING_STATE, P.PENDING_INFO_STATE):
-        if key in context.state:
-            del context.state[key]
+    _forget(context, P.PENDING_STATE, P.PENDING_INFO_STATE)
     ack = int(cfg.get(P.ACK_ROUND, sent_round))  # a server that does not ack: assume it arrived
     if ack >= sent_round or not use_ef:
         return residual
@@ -158,9 +162,7 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
             base_crc=int(cfg[P.BASE_CRC]), crc=int(cfg[P.REF_CRC]), layout=layout,
         )
     except fedcomp.FedcompError as exc:  # ResyncNeeded, or a step that does not decode
-        for key in (P.REF_STATE, P.REF_INFO_STATE):
-            if key in context.state:
-                del context.state[key]
+        _forget(context, P.REF_STATE, P.REF_INFO_STATE)
         reason = str(exc) if isinstance(exc, ResyncNeeded) else f"broadcast did not decode: {exc}"
         record = {P.RESYNC: reason, P.WANT_TIER: want}
         if link is not None:  # no training, but the round still cost this node its download

@@ -172,6 +172,7 @@ class Tier:
         self.state: dict[str, torch.Tensor] = {}  # codec state (e.g. PowerSGD warm start)
         self.history: deque[Step] = deque(maxlen=max(1, max_stale))
         self.encodes = 0  # steps encoded so far (encoding cost is per tier, not per client)
+        self._full: tuple[int, bytes] | None = None  # (crc, payload) of the last full reference sent
 
     def start(self, model: Mapping[str, torch.Tensor], version: int = 0) -> None:
         """Set the reference to the initial model (clients get it in full on first contact)."""
@@ -205,7 +206,9 @@ class Tier:
     def full(self) -> Plan:
         """The exact reference, for first contact and resyncs."""
         assert self.reference is not None
-        payload = encode_full(self.reference)
+        if self._full is None or self._full[0] != self.crc:  # serialized once per version, not per client
+            self._full = (self.crc, encode_full(self.reference))
+        payload = self._full[1]
         return Plan(self.index, "full", (payload,), (self.version,), 0, self.crc)
 
     def plan(self, held: tuple[int, int, int] | None) -> Plan:

@@ -344,9 +344,10 @@ class CompressedStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        for msg in sorted(replies, key=canonical_order):  # those not streamed in already, in a fixed order
-            self._receive(server_round, msg)
         state = self._state(server_round)
+        # those not streamed in already, in a fixed order (streamed ones need no payload hash)
+        for msg in sorted((m for m in replies if id(m) not in state.seen), key=canonical_order):
+            self._receive(server_round, msg)
         self._round_state = None
         stats = self.rounds.setdefault(server_round, RoundStats())
         replied = {c["node"] for c in stats.clients}
@@ -544,7 +545,7 @@ class CompressedStrategy(Strategy):
         """FetchSGD: sum sketches, momentum and error in sketch space, apply the heavy hitters."""
         if not sketches or self._layout is None:
             return None, None
-        key = getattr(self.inner, "weighted_by_key", "num-examples")
+        key = self._weight_key()
         weights = [float(_metric(content, key)) for content, _ in sketches]
         total = sum(weights) or 1.0
         summed = None
