@@ -1,5 +1,5 @@
 """Flower client side of fedcomp: the compression mod and the project's ClientApp."""
 
-from clients.mod import compression_mod
+from fedcomp.clients.mod import compression_mod
 
 __all__ = ["compression_mod"]

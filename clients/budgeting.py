@@ -6,9 +6,9 @@ a link. Steps per round:
 
 1. The link: node-config keys first (deployment), else the run's ``link-profile`` for the
    node's ``partition-id`` (simulation); the run's ``round-deadline-s`` where the link has no
-   deadline of its own (:func:`simulations.links.resolve_link`).
+   deadline of its own (:func:`fedcomp.links.resolve_link`).
 2. The budget: min(byte cap, uplink bytes in the time the deadline leaves after the download,
-   the compute measured so far and the upload latency) (:func:`simulations.links.upload_budget`).
+   the compute measured so far and the upload latency) (:func:`fedcomp.links.upload_budget`).
    No cap and no deadline: no budget, the configured codec as is.
 3. The fit: :func:`fedcomp.budget.fit_update` picks the codec's free parameter so that the whole
    reply, counted as the server counts it (Flower's serialized bytes of every record in the
@@ -31,7 +31,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 import fedcomp
 from fedcomp.budget import FALLBACKS, BudgetTooSmall, fit_update
-from simulations import links
+from fedcomp import links
 
 REFITS = 4  # fits at most per upload (the first plus corrections for the record's framing)
 

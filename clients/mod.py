@@ -13,7 +13,7 @@ It works with any ClientApp whose train reply carries one ArrayRecord (the train
    the new residual, and replaces the reply's ArrayRecord with the payload, the reference it
    holds (tier, version, CRC) and the tier it wants.
 
-Bandwidth budgets (:mod:`clients.budgeting`): when the node has a link (node config
+Bandwidth budgets (:mod:`fedcomp.clients.budgeting`): when the node has a link (node config
 ``uplink-kbps``/``downlink-kbps``/... or ``link=<preset>``, else the run's ``link-profile`` for its
 ``partition-id``), its downlink picks the download tier, step 3 encodes with the codec whose free
 parameter makes the whole reply fit the link's budget (byte cap, or what the uplink carries in the
@@ -37,8 +37,8 @@ from flwr.common.constant import ErrorCode
 import fedcomp
 from fedcomp import protocol as P
 from fedcomp.broadcast import ResyncNeeded, apply_plan, parse_thresholds, tier_for_kbps
-from clients.budgeting import budgeted_upload, reply_bytes
-from simulations import links
+from fedcomp.clients.budgeting import budgeted_upload, reply_bytes
+from fedcomp import links
 
 ENCODE_HISTORY = 5  # recent encode times kept; the budget reserves the longest of them (x ENCODE_MARGIN)
 ENCODE_MARGIN = 1.5

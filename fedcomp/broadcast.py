@@ -37,9 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fedcomp.codec import Codec, build_codec, derive_nonce
+from fedcomp.codec import Codec, derive_nonce
 from fedcomp.errors import FedcompError, SpecError
 from fedcomp.layout import Layout
+from fedcomp.policy import build_codec
 from fedcomp.wire import OVERHEAD_BYTES, Writer, open_payload
 
 FULL_FINGERPRINT = zlib.crc32(b"fedcomp.broadcast.full")  # the codec field of full-reference payloads

@@ -48,6 +48,7 @@ from fedcomp.codec import Codec, Encoded
 from fedcomp.errors import FedcompError, SpecError
 from fedcomp.feedback import compress
 from fedcomp.layout import Layout
+from fedcomp.policy import is_policy
 from fedcomp.powersgd import factor_shape
 from fedcomp.spec import Stage, parse_spec
 
@@ -398,8 +399,6 @@ FALLBACKS = ("skip", "coarsest")  # what a client does when even the coarsest se
 def check_budgetable(spec: str) -> None:
     """Raise SpecError unless a byte budget can set a free parameter of ``spec`` (a plain codec
     spec: topk/randomk/threshold/dgc, sketch, kbit/qsgd alone, powersgd; not a policy)."""
-    from fedcomp.policy import is_policy
-
     if is_policy(spec):
         raise SpecError(f"upload {spec!r} is a policy; byte budgets need a plain codec spec such as "
                         f"'topk(ratio=0.01,index=\'fixed\')+qsgd(bits=4)'")

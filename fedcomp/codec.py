@@ -253,14 +253,6 @@ def _build_stage(name: str, args: dict):
     return cls.from_args(args)
 
 
-def build_codec(spec: str):
-    """Build a codec from a spec string (see :class:`Codec`), or a policy of rules separated by
-    ``;`` (see :mod:`fedcomp.policy`)."""
-    from fedcomp.policy import PolicyCodec, is_policy
-
-    return PolicyCodec(spec) if is_policy(spec) else Codec(spec)
-
-
 def available_codecs() -> dict[str, str]:
     """Spec name -> signature with defaults, for every registered stage."""
     return {name: cls.signature() for name, cls in REGISTRY.items()}

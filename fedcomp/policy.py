@@ -24,8 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from fedcomp.codec import Codec, Encoded, check_decodable
 from fedcomp.errors import DecodeError, SpecError
 from fedcomp.layout import Layout, TensorSpec
+from fedcomp.spec import MAX_SPEC_CHARS
 from fedcomp.wire import OVERHEAD_BYTES, Writer, open_payload
 
 _COND = re.compile(r"^\s*(numel|name|round)\s*(<|>=|~)\s*(\S+)\s*$")
@@ -69,10 +71,6 @@ class PolicyCodec:
     """A codec per rule; behaves like :class:`fedcomp.Codec` (encode, decode, sizes, traits)."""
 
     def __init__(self, spec: str) -> None:
-        from fedcomp.codec import Codec  # a policy is made of plain codecs
-
-        from fedcomp.spec import MAX_SPEC_CHARS
-
         if len(spec) > 4 * MAX_SPEC_CHARS:
             raise SpecError(f"policy of {len(spec)} characters is longer than the {4 * MAX_SPEC_CHARS} allowed")
         self.rules: list[tuple[tuple[Condition, ...], Codec]] = []
@@ -135,8 +133,6 @@ class PolicyCodec:
     # -- encode / decode ------------------------------------------------------------------------
     def encode(self, tensors: Mapping[str, torch.Tensor], nonce: int = 0, *, round: int = 0,
                state: dict[str, torch.Tensor] | None = None):
-        from fedcomp.codec import Encoded
-
         layout = Layout.of(tensors)
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         out = Writer(device)
@@ -154,8 +150,6 @@ class PolicyCodec:
         return Encoded(payload, {n: decoded[n] for n in layout.names}, tuple(kept), tuple(side))
 
     def decode(self, payload: bytes, layout: Layout, device: torch.device | str = "cpu", *, round: int = 0):
-        from fedcomp.codec import check_decodable
-
         check_decodable(layout)
         src, nonce = open_payload(payload, layout.fingerprint(), self.fingerprint)
         out: dict[str, torch.Tensor] = {}
@@ -167,3 +161,9 @@ class PolicyCodec:
             out.update(self.rules[i][1].decode(body, sub, device, round=round))
         src.finish()
         return {n: out[n] for n in layout.names}
+
+
+def build_codec(spec: str) -> Codec | PolicyCodec:
+    """Build a codec from a spec string (see :class:`fedcomp.Codec`), or a policy of rules
+    separated by ``;`` (see this module)."""
+    return PolicyCodec(spec) if is_policy(spec) else Codec(spec)

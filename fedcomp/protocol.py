@@ -56,7 +56,7 @@ RESYNC = "resync"  # str: why the client could not rebuild the reference (no pay
 REF_STATE = "fedcomp.reference"  # Context.state: the broadcast reference model the client holds
 REF_INFO_STATE = "fedcomp.reference-info"  # Context.state: ConfigRecord {TIER, REF_VERSION, REF_CRC}
 
-# -- bandwidth budgets (simulations.links, fedcomp.budget): server -> client, in DOWNLOAD_RECORD --
+# -- bandwidth budgets (fedcomp.links, fedcomp.budget): server -> client, in DOWNLOAD_RECORD --
 LINK_PROFILE = "link-profile"  # str: run config link-profile ('none', a preset, 'mixed', a table path)
 DEADLINE = "round-deadline-s"  # float: the run's round deadline in seconds (0: none)
 FALLBACK = "budget-fallback"  # str: "skip" or "coarsest" when even the coarsest setting is over budget

@@ -13,8 +13,8 @@ Each is printed as a multiple of ``read``, with the issue's targets: top-k 0.1% 
 <= 5x, quantizers and sign encode <= 3x, decode+accumulate <= 3x (at the largest size). On a
 machine with CUDA, the same table is printed for the GPU (times synchronised).
 
-    python -m simulations.bench_codecs                          # 1M and 25M, CPU (and GPU if present)
-    python -m simulations.bench_codecs --sizes 100000 --repeats 2 --json out.json   # tiny
+    python -m fedcomp.simulations.bench_codecs                          # 1M and 25M, CPU (and GPU if present)
+    python -m fedcomp.simulations.bench_codecs --sizes 100000 --repeats 2 --json out.json   # tiny
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Wall time is taken inside the ServerApp from the end of the round-0 evaluation t
 the last round (engine start-up excluded), and the ratio fedcomp / plain is printed; repeats
 alternate the two to spread the machine's load drift over both.
 
-    python -m simulations.bench_overhead --rounds 10 --clients 10 --repeats 2
+    python -m fedcomp.simulations.bench_overhead --rounds 10 --clients 10 --repeats 2
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from flwr.server import Grid  # noqa: E402
 from flwr.serverapp import ServerApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
-from clients.mod import compression_mod  # noqa: E402
-from simulations import task  # noqa: E402
-from strategies.wrapper import CompressedStrategy  # noqa: E402
+from fedcomp.clients.mod import compression_mod  # noqa: E402
+from fedcomp.simulations import task  # noqa: E402
+from fedcomp.strategies.wrapper import CompressedStrategy  # noqa: E402
 
 CFG = {"model": "mlp", "local-epochs": 1, "lr": 0.3, "batch-size": 32, "seed": 0, "partition-alpha": 0.5}
 _TIMES: dict[str, list[float]] = {}

@@ -13,7 +13,7 @@ use the same replies and the same grid, polled every 50 ms:
 Prints the post-last-reply time of each and their ratio (absolute times are noise on a shared
 CPU; the ratio is the figure)::
 
-    python -m simulations.bench_pipeline [--clients 50] [--upload 'powersgd(rank=4)'] [--model mlp-large]
+    python -m fedcomp.simulations.bench_pipeline [--clients 50] [--upload 'powersgd(rank=4)'] [--model mlp-large]
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
 import fedcomp
-from clients.mod import compression_mod
-from simulations import task
-from strategies.wrapper import CompressedStrategy
+from fedcomp.clients.mod import compression_mod
+from fedcomp.simulations import task
+from fedcomp.strategies.wrapper import CompressedStrategy
 
 
 class ScheduledGrid:

@@ -14,8 +14,8 @@ kernel's peak-RSS mark (``/proc/self/clear_refs``), streams every payload throug
 With ``--naive`` it also runs decode-all-then-average (every dense update held until the end)
 for the smallest N, for contrast.
 
-    python -m simulations.bench_server                       # 50/100/200 clients, 10M parameters
-    python -m simulations.bench_server --params 200000 --clients 4 8 --json out.json   # tiny
+    python -m fedcomp.simulations.bench_server                       # 50/100/200 clients, 10M parameters
+    python -m fedcomp.simulations.bench_server --params 200000 --clients 4 8 --json out.json   # tiny
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def run(codecs, clients, params, distinct, naive) -> list[dict]:
                         p = base[i % len(base)]
                         f.write(struct.pack("<I", len(p)) + p)
                 out = subprocess.run(
-                    [sys.executable, "-m", "simulations.bench_server", "--child", path, "--spec", spec,
+                    [sys.executable, "-m", "fedcomp.simulations.bench_server", "--child", path, "--spec", spec,
                      "--params", str(params)] + (["--naive"] if is_naive else []),
                     capture_output=True, text=True, check=False,
                 )

@@ -13,8 +13,8 @@ kept positions are spread as in a dense gradient), prints:
 The symbols are read back from the payload's code stream (the last bytes before the CRC for the
 one-tensor layouts used here).
 
-    python -m simulations.bench_wire                  # n = 1M, k = 1000 (0.1%) and 1%
-    python -m simulations.bench_wire --n 100000 --json out.json
+    python -m fedcomp.simulations.bench_wire                  # n = 1M, k = 1000 (0.1%) and 1%
+    python -m fedcomp.simulations.bench_wire --n 100000 --json out.json
 """
 
 from __future__ import annotations

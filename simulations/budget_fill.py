@@ -1,6 +1,6 @@
 """How well the byte-budget controller fills budgets: per codec, random budgets on the mlp.
 
-``python -m simulations.budget_fill [--budgets 15]`` prints, per spec, the smallest and largest
+``python -m fedcomp.simulations.budget_fill [--budgets 15]`` prints, per spec, the smallest and largest
 whole message (100 B overhead), the worst fill (message / budget) over log-uniform random budgets
 between them, and the mean time per fit (fit_update, real encodes where sizes are data-dependent).
 """
@@ -15,7 +15,7 @@ import torch
 
 import fedcomp
 from fedcomp.budget import fit_update, limits
-from simulations import task
+from fedcomp.simulations import task
 
 SPECS = [
     "topk(ratio=0.01)", "topk(ratio=0.01,index='fixed')+qsgd(bits=4)", "topk(ratio=0.01,scope='tensor')+qsgd(bits=4)",

@@ -12,7 +12,7 @@ Writes, under an output directory:
 
 Usage::
 
-    python -m simulations.certs OUT_DIR [--hosts superlink.example.org 10.0.0.5] [--nodes 2]
+    python -m fedcomp.simulations.certs OUT_DIR [--hosts superlink.example.org 10.0.0.5] [--nodes 2]
 
 Only the ``cryptography`` package is used (no openssl binary). Private keys are written with
 mode 0600.
@@ -199,7 +199,7 @@ def make_node_keys(out_dir: str | Path, names: Iterable[str]) -> list[NodeKey]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m simulations.certs",
+        prog="python -m fedcomp.simulations.certs",
         description="Write a self-signed CA, a SuperLink server certificate and SuperNode auth keys.",
     )
     parser.add_argument("out_dir", type=Path, help="output directory (created)")

@@ -1,4 +1,4 @@
-"""Where delta coding of uploads pays: ``python -m simulations.delta_study``.
+"""Where delta coding of uploads pays: ``python -m fedcomp.simulations.delta_study``.
 
 1. How alike consecutive round updates of a digits client are (cosine similarity), in plain
    10-client FedAvg with the default run config.
@@ -15,7 +15,7 @@ import copy
 import torch
 
 import fedcomp
-from simulations import task
+from fedcomp.simulations import task
 
 
 def consecutive_cosines(rounds: int = 30, clients: int = 10, seed: int = 0) -> list[tuple[int, float]]:

@@ -2,14 +2,14 @@
 
 One SuperLink, N SuperNodes (``flower-supernode --grpc-rere``, each with
 ``--node-config "partition-id=i num-partitions=N"``) and ``flwr run .`` against them, with a
-byte-counting TCP relay (:mod:`simulations.relay`) between the SuperNodes and the SuperLink's
-Fleet API. Optional TLS (certificates from :mod:`simulations.certs`) and SuperNode
+byte-counting TCP relay (:mod:`fedcomp.simulations.relay`) between the SuperNodes and the SuperLink's
+Fleet API. Optional TLS (certificates from :mod:`fedcomp.simulations.certs`) and SuperNode
 authentication (keys registered with ``flwr supernode register``).
 
-    python -m simulations.deploy --supernodes 2 --rounds 3 \\
+    python -m fedcomp.simulations.deploy --supernodes 2 --rounds 3 \\
         --run-config "model='mlp-large' upload='topk(ratio=0.01)+qsgd(bits=4)'" \\
         --run-config "model='mlp-large' upload='none()'"
-    python -m simulations.deploy --supernodes 2 --rounds 2 --tls --auth --intruder
+    python -m fedcomp.simulations.deploy --supernodes 2 --rounds 2 --tls --auth --intruder
 
 Every ``--run-config`` is one ``flwr run`` on the same deployment. For each run it prints a
 per-round table joining ``results.json`` (``upload_bytes``: the serialized message content,
@@ -45,8 +45,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from simulations.certs import NodeKey, TlsFiles, make_ca_and_server_cert, make_node_keys
-from simulations.relay import Counts, Relay
+from fedcomp.simulations.certs import NodeKey, TlsFiles, make_ca_and_server_cert, make_node_keys
+from fedcomp.simulations.relay import Counts, Relay
 
 __all__ = [
     "ClientAppSampler",
@@ -843,12 +843,12 @@ def format_breakdown(http2: dict, rpcs: dict, content_bytes: int | None = None) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m simulations.deploy",
+        prog="python -m fedcomp.simulations.deploy",
         description="SuperLink + N SuperNodes on loopback (Fleet API behind a byte-counting relay), "
                     "flwr run, and a per-round byte table.",
     )
     parser.add_argument("--supernodes", type=int, default=2, help="number of SuperNodes (default 2)")
-    parser.add_argument("--tls", action="store_true", help="TLS with a self-signed CA (simulations.certs)")
+    parser.add_argument("--tls", action="store_true", help="TLS with a self-signed CA (fedcomp.simulations.certs)")
     parser.add_argument("--auth", action="store_true",
                         help="SuperNode authentication (implies --tls): keys registered with flwr supernode register")
     parser.add_argument("--intruder", action="store_true",

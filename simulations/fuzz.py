@@ -4,8 +4,8 @@ The same targets serve two drivers: ``tests/test_fuzz.py`` (hypothesis, bounded,
 this module's ``main`` (atheris, coverage guided, for millions of inputs)::
 
     pip install -c constraints.txt atheris==3.0.0      # a manylinux wheel, no compiler needed
-    python -m simulations.fuzz -runs=1000000            # all targets, round robin
-    python -m simulations.fuzz --target 'topk(ratio=0.1)' -runs=100000
+    python -m fedcomp.simulations.fuzz -runs=1000000            # all targets, round robin
+    python -m fedcomp.simulations.fuzz --target 'topk(ratio=0.1)' -runs=100000
 
 One fuzz input is a *mutation* of a real payload (see :func:`mutate`): bit flips, truncation,
 extension, byte overwrites and insertions, header fields and 32-bit count fields set to

@@ -185,7 +185,7 @@ def plot_accuracy_vs_upload(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m simulations.results OUT.png RUN_DIR_OR_JSON...``: one plot comparing runs."""
+    """``python -m fedcomp.simulations.results OUT.png RUN_DIR_OR_JSON...``: one plot comparing runs."""
     import argparse
     import json
 

@@ -4,7 +4,7 @@ The federated loop is the one ``flwr run .`` runs (``clients/app.py`` + ``client
 ``strategies/app.py``), replayed in one process so a 100-round sweep of many codecs fits on two
 cores:
 
-1. Same task: ``simulations.task`` data split, Dirichlet partitions (alpha 0.5), model, local
+1. Same task: ``fedcomp.simulations.task`` data split, Dirichlet partitions (alpha 0.5), model, local
    SGD (1 epoch, lr 0.3, batch 32) and the same training seeds per (round, partition).
 2. Each client trains from the global model, computes its update, and calls
    :func:`fedcomp.compress` with its own residual and codec state (error feedback on or off).
@@ -13,15 +13,15 @@ cores:
    accuracy is measured on the held-out digits after every round.
 4. Bytes are Flower message bytes: each reply is built as the ``RecordDict`` the client mod
    sends (``fedcomp.upload`` ConfigRecord with the payload, plus the app's MetricRecord) and
-   sized with ``strategies.wrapper.message_bytes``; the dense reference is the same reply with
+   sized with ``fedcomp.strategies.wrapper.message_bytes``; the dense reference is the same reply with
    the model as an ArrayRecord. Downloads are the broadcast records the wrapper sends
    (``download='none()'``).
 
 Writes ``<out>/sweep.json`` (per run: config, per-round accuracy and bytes), ``<out>/sweep.md``
 (the table) and two plots (accuracy vs cumulative upload MB, accuracy vs round).
 
-    python -m simulations.sweep                                  # the full sweep, 100 rounds
-    python -m simulations.sweep --rounds 3 --codecs "none()" "topk(ratio=0.01)" --out /tmp/s
+    python -m fedcomp.simulations.sweep                                  # the full sweep, 100 rounds
+    python -m fedcomp.simulations.sweep --rounds 3 --codecs "none()" "topk(ratio=0.01)" --out /tmp/s
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dic
     import fedcomp
     from fedcomp import protocol as P
     from fedcomp.aggregate import Accumulator
-    from simulations import task
-    from strategies.wrapper import message_bytes
+    from fedcomp.simulations import task
+    from fedcomp.strategies.wrapper import message_bytes
 
     cfg = {**DEFAULTS, **(cfg or {})}
     torch.set_num_threads(1)
@@ -251,7 +251,7 @@ def main(argv=None) -> None:
     import shlex
     import sys
 
-    command = "python -m simulations.sweep " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m fedcomp.simulations.sweep " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     table = write_outputs(runs, Path(args.out), command.strip())
     print(Path(args.out, "sweep.md").read_text())
     hits = [(t["upload"], t["reduction"], t["delta_points"]) for t in table if t["delta_points"] is not None]

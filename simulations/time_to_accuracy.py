@@ -1,12 +1,12 @@
 """Accuracy against simulated wall time, budget checks and time-to-accuracy, from results.json files.
 
 Each round record of a run with a link profile holds ``sim_time_s`` (the simulated duration of
-that round, see :mod:`simulations.links`) and ``links``: one entry per client with its
+that round, see :mod:`fedcomp.links`) and ``links``: one entry per client with its
 ``upload_bytes`` (whole message), ``budget`` (None: unlimited) and times.
 
 Usage::
 
-    python -m simulations.time_to_accuracy OUT.png DENSE_RUN BUDGETED_RUN... [--margin 0.02]
+    python -m fedcomp.simulations.time_to_accuracy OUT.png DENSE_RUN BUDGETED_RUN... [--margin 0.02]
 
 prints, per run, the simulated time to reach (dense final accuracy - margin), the speed-up over
 the dense run, and the number of uploads over budget (must be 0), and writes the plot.

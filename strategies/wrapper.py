@@ -9,7 +9,7 @@ Per training round:
    or the full reference on first contact and resyncs; plus the layout, codec specs, seed,
    round (see :mod:`fedcomp.protocol`).
 3. Replies carry the ``upload`` codec's payload of the client's update. The wrapper decodes
-   each one as it arrives (:mod:`strategies.streaming`; a reply that fails is dropped with its
+   each one as it arrives (:mod:`fedcomp.strategies.streaming`; a reply that fails is dropped with its
    reason logged; the round goes on). For weighted-mean strategies (FedAvg, FedProx, FedAvgM,
    the FedOpt family) it adds the update to a running mean and hands the inner strategy one
    reply holding it; for the others it rebuilds ``model_i = global model + update_i`` and hands
@@ -20,7 +20,7 @@ Per training round:
 Bytes are counted as Flower sends them: the deflated size of every object in a message's
 content tree (records, arrays, array chunks), per client.
 
-Bandwidth budgets (``link_profile``, ``round_deadline_s``; :mod:`simulations.links`): clients
+Bandwidth budgets (``link_profile``, ``round_deadline_s``; :mod:`fedcomp.links`): clients
 with a link fit their reply to its byte budget and report the concrete codec spec they used.
 The wrapper accepts a reported spec only of the configured family (same stages in order,
 :func:`fedcomp.budget.same_family`) and decodes each reply with it; skipped replies (budget too
@@ -49,8 +49,8 @@ import fedcomp
 from fedcomp import protocol as P
 from fedcomp.broadcast import Tier, parse_thresholds, parse_tiers
 from fedcomp.budget import FALLBACKS, check_budgetable, same_family
-from simulations import links
-from strategies.streaming import RunningMean, StreamingGrid, can_stream
+from fedcomp import links
+from fedcomp.strategies.streaming import RunningMean, StreamingGrid, can_stream
 
 
 def _metric(content: RecordDict, key: str) -> float:
@@ -127,7 +127,7 @@ class CompressedStrategy(Strategy):
     streaming : bool (default: True)
         Decode each reply as it arrives and, where the inner strategy's aggregate is a weighted
         mean (FedAvg, FedProx, FedAvgM, FedAdam, FedAdagrad, FedYogi), add it to a running mean
-        instead of keeping every client's model (:mod:`strategies.streaming`). Other inner
+        instead of keeping every client's model (:mod:`fedcomp.strategies.streaming`). Other inner
         strategies get all decoded replies at the end (logged). ``False``: decode everything
         when the last reply is in, as Flower's loop does.
     download_max_stale : int (default: 10)
@@ -164,7 +164,7 @@ class CompressedStrategy(Strategy):
         by sqrt(rows) (each row of a count sketch preserves the norm in expectation). 0 turns
         it off. NaN and Inf updates are always dropped.
     link_profile : str (default: ``"none"``)
-        Simulation: maps ``partition-id`` to a link (``simulations.links``): a preset
+        Simulation: maps ``partition-id`` to a link (``fedcomp.links``): a preset
         (``datacenter``, ``broadband``, ``4g``, ``3g-edge``), ``"mixed"``, or the path of a
         ``.csv``/``.toml`` per-client table. Node-config link keys take precedence. ``"none"``:
         clients without link keys have no link, no budget and no simulated time.
@@ -332,7 +332,7 @@ class CompressedStrategy(Strategy):
         return out
 
     def start(self, grid: Grid, *args, **kwargs):
-        """Flower's round loop, with replies decoded as they arrive (:mod:`strategies.streaming`)."""
+        """Flower's round loop, with replies decoded as they arrive (:mod:`fedcomp.strategies.streaming`)."""
         if self.streaming:
             grid = StreamingGrid(grid, self._on_reply)
         return super().start(grid, *args, **kwargs)

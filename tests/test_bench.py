@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from simulations import bench_codecs, bench_server, bench_wire, sweep
+from fedcomp.simulations import bench_codecs, bench_server, bench_wire, sweep
 
 
 def test_bench_wire_bounds(tmp_path):

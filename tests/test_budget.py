@@ -157,8 +157,8 @@ def _build(payload: bytes, spec: str):
 
 @pytest.mark.parametrize("cap", [2_500, 3_333, 5_000])
 def test_budgeted_reply_fits_the_byte_cap(cap):
-    from clients.budgeting import budgeted_upload, reply_bytes
-    from simulations.links import Link
+    from fedcomp.clients.budgeting import budgeted_upload, reply_bytes
+    from fedcomp.links import Link
 
     upd = {k: v for k, v in update().items() if v.is_floating_point()}
     out = budgeted_upload("topk(ratio=0.01)+qsgd(bits=4)", upd, None, link=Link(200, 1000, 300, byte_cap=cap),
@@ -170,8 +170,8 @@ def test_budgeted_reply_fits_the_byte_cap(cap):
 
 
 def test_budgeted_reply_too_small_skips_or_sends_coarsest():
-    from clients.budgeting import budgeted_upload
-    from simulations.links import Link
+    from fedcomp.clients.budgeting import budgeted_upload
+    from fedcomp.links import Link
 
     upd = {k: v for k, v in update().items() if v.is_floating_point()}
     kw = dict(link=Link(200, 1000, 300, byte_cap=100), download_bytes=0, compute_s=0.0, build=_build, nonce=1,

@@ -8,13 +8,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-import clients.mod as mod
+import fedcomp.clients.mod as mod
 import fedcomp
-from clients.mod import compression_mod, desired_tier
+from fedcomp.clients.mod import compression_mod, desired_tier
 from conftest import FakeGrid
 from fedcomp import protocol as P
-from simulations import links
-from strategies.wrapper import CompressedStrategy
+from fedcomp import links
+from fedcomp.strategies.wrapper import CompressedStrategy
 
 UPLOAD = "topk(ratio=0.1,index='fixed')+qsgd(bits=4)"
 
@@ -230,7 +230,7 @@ def test_wrapper_refuses_bad_budget_settings(kwargs, match):
 
 
 def test_results_checks_from_round_records():
-    from simulations.time_to_accuracy import budget_violations, late, series, skipped, time_to
+    from fedcomp.simulations.time_to_accuracy import budget_violations, late, series, skipped, time_to
 
     rounds = [
         {"round": 1, "accuracy": 0.5, "sim_time_s": 2.0, "links": [

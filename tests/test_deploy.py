@@ -1,10 +1,10 @@
 """Flower's deployment engine on loopback: SuperLink + SuperNodes over gRPC, bytes measured on the wire.
 
 The slow tests start a SuperLink with its Fleet API behind a byte-counting relay
-(``simulations.relay``) and SuperNodes that connect through it (``simulations.deploy``), run
+(``fedcomp.simulations.relay``) and SuperNodes that connect through it (``fedcomp.simulations.deploy``), run
 ``flwr run .`` and compare what the relay forwarded with what ``results.json`` reports. Every
 process is started in its own session and stopped by PID in ``finally`` (inside
-``simulations.deploy.deployment``). The fast tests check the relay, its HTTP/2 meter and the
+``fedcomp.simulations.deploy.deployment``). The fast tests check the relay, its HTTP/2 meter and the
 certificate script without Flower.
 """
 
@@ -19,9 +19,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_ssh_private_key, load_ssh_public_key
 
-from simulations import deploy
-from simulations.certs import make_ca_and_server_cert, make_node_keys
-from simulations.relay import H2_FIELDS, Relay, _H2Meter
+from fedcomp.simulations import deploy
+from fedcomp.simulations.certs import make_ca_and_server_cert, make_node_keys
+from fedcomp.simulations.relay import H2_FIELDS, Relay, _H2Meter
 
 COMPRESSED = "topk(ratio=0.01)+qsgd(bits=4)"
 ROUNDS = 3

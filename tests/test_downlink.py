@@ -8,11 +8,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.serverapp.strategy import FedAvg
 
 import fedcomp
-from clients.mod import compression_mod
+from fedcomp.clients.mod import compression_mod
 from conftest import FakeGrid
 from fedcomp import protocol as P
 from fedcomp.broadcast import ResyncNeeded, Tier, apply_plan, parse_thresholds, parse_tiers, reference_crc
-from strategies.wrapper import CompressedStrategy
+from fedcomp.strategies.wrapper import CompressedStrategy
 
 TIERS = "topk(ratio=0.05)+twobit() | topk(ratio=0.2)+kbit(bits=4) | kbit(bits=8)"
 

@@ -15,11 +15,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.serverapp.strategy import FedAvg
 
 import fedcomp
-from clients.mod import compression_mod
+from fedcomp.clients.mod import compression_mod
 from conftest import FakeGrid
 from fedcomp import protocol as P
-from strategies.app import validate_run_config
-from strategies.wrapper import CompressedStrategy
+from fedcomp.simulations.server_app import validate_run_config
+from fedcomp.strategies.wrapper import CompressedStrategy
 
 
 def _model(seed=0):
@@ -213,7 +213,7 @@ def _defaults():
 
 
 def test_every_run_config_key_has_a_rejection_test():
-    from strategies.app import CONFIG_KEYS
+    from fedcomp.simulations.server_app import CONFIG_KEYS
 
     assert set(BAD_RUN_CONFIG) == set(CONFIG_KEYS)
 
@@ -243,7 +243,7 @@ def test_bad_spec_fails_before_any_round():
     """The ServerApp validates first: a bad spec raises before the strategy sends anything."""
     from flwr.app import Context as AppContext
 
-    from strategies import app as server_app
+    from fedcomp.simulations import server_app
 
     class NoGrid:
         def __getattr__(self, name):
@@ -268,7 +268,7 @@ def test_bad_spec_fails_before_any_round():
     ({"partition-id": 0, "num-partitions": 4, "device": 3}, "device=3 is invalid"),
 ])
 def test_bad_node_config_names_key_value_and_allowed(node_config, message):
-    from clients.app import validate_node_config
+    from fedcomp.simulations.client_app import validate_node_config
 
     with pytest.raises(ValueError) as info:
         validate_node_config(node_config)
@@ -276,7 +276,7 @@ def test_bad_node_config_names_key_value_and_allowed(node_config, message):
 
 
 def test_good_node_config_passes():
-    from clients.app import validate_node_config
+    from fedcomp.simulations.client_app import validate_node_config
 
     assert validate_node_config({"partition-id": 2, "num-partitions": 5, "device": "cpu"}) == (2, 5)
 
@@ -285,7 +285,7 @@ def test_good_node_config_passes():
 from flwr.app import Error  # noqa: E402
 from flwr.common.constant import ErrorCode  # noqa: E402
 
-from clients.faults import FaultPlan, draw, faults_mod, parse_faults  # noqa: E402
+from fedcomp.simulations.faults import FaultPlan, draw, faults_mod, parse_faults  # noqa: E402
 
 FAULTS = "crash=0.15,garbage=0.15,slow=0.1,sleep=0,absent=3-4,absent-frac=0.34"
 
@@ -490,7 +490,7 @@ def _restart_supernode(dep, index, timeout=240):
     retry until the SuperLink logs a new activation."""
     import time
 
-    from simulations import deploy
+    from fedcomp.simulations import deploy
 
     deadline = time.monotonic() + timeout
     attempt = 0
@@ -517,7 +517,7 @@ def test_supernode_killed_and_restarted_resyncs_and_run_goes_on(tmp_path):
     import os
     import signal
 
-    from simulations import deploy
+    from fedcomp.simulations import deploy
 
     rounds = 7
     with deploy.deployment(tmp_path / "deploy", 2, tls=True, auth=True) as dep:
@@ -583,7 +583,7 @@ def test_superlink_error_for_a_dead_node_is_recorded_under_that_node():
 def test_streamed_mean_does_not_depend_on_arrival_order():
     """Streaming aggregation adds replies as they arrive; its float64 sum of weight x fp32 values
     is exact here, so any arrival order gives the same bits."""
-    from strategies.streaming import RunningMean
+    from fedcomp.strategies.streaming import RunningMean
 
     g = torch.Generator().manual_seed(1)
     updates = [({"w": torch.randn(4000, generator=g) * 0.01 * (1 + i), "n": torch.tensor([i])}, 30.0 + 7 * i)

@@ -20,10 +20,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.serverapp.strategy import FedAvg, FedMedian
 
 import fedcomp
-from clients.mod import compression_mod
+from fedcomp.clients.mod import compression_mod
 from conftest import FakeGrid
 from fedcomp import protocol as P
-from strategies.wrapper import CompressedStrategy
+from fedcomp.strategies.wrapper import CompressedStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,7 +188,7 @@ def test_compressed_upload_smaller_than_dense_by_promised_factor():
     ("num-server-rounds", 0, "positive integer"),
 ])
 def test_run_config_validation_names_key_value_and_allowed(key, value, message):
-    from strategies.app import validate_run_config
+    from fedcomp.simulations.server_app import validate_run_config
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     validate_run_config(config)
@@ -198,7 +198,7 @@ def test_run_config_validation_names_key_value_and_allowed(key, value, message):
 
 def test_app_config_defaults():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    from strategies.app import CONFIG_KEYS
+    from fedcomp.simulations.server_app import CONFIG_KEYS
 
     assert set(CONFIG_KEYS) == set(config)
     fedcomp.build_codec(config["upload"])

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import fedcomp
 from fedcomp.base import REGISTRY
 from fedcomp.spec import parse_spec
-from simulations import fuzz
+from fedcomp.simulations import fuzz
 
 TARGETS = {t.spec: t for t in fuzz.build_targets()}
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -200,10 +200,10 @@ def test_declared_codec_parameters_are_dropped_or_decoded_never_raise(ratio, bit
     from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
     from flwr.serverapp.strategy import FedAvg
 
-    from clients.mod import compression_mod
+    from fedcomp.clients.mod import compression_mod
     from conftest import FakeGrid
     from fedcomp import protocol as P
-    from strategies.wrapper import CompressedStrategy
+    from fedcomp.strategies.wrapper import CompressedStrategy
     from test_faults import _app, _model, _shift
 
     declared = f"topk(ratio={ratio!r})+qsgd(bits={bits}, bucket={bucket})".replace("nan", "x").replace("inf", "y")

@@ -7,8 +7,8 @@ import math
 import pytest
 from flwr.common.config import parse_config_args
 
-from simulations import links
-from simulations.links import Link, LinkError
+from fedcomp import links
+from fedcomp.links import Link, LinkError
 
 
 def node_config(text: str) -> dict:

@@ -8,9 +8,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.serverapp.strategy import FedAvg
 
 import fedcomp
-from clients.mod import compression_mod
+from fedcomp.clients.mod import compression_mod
 from conftest import FakeGrid
-from strategies.wrapper import CompressedStrategy
+from fedcomp.strategies.wrapper import CompressedStrategy
 
 
 def _heavy(n, k, seed, big=10.0, noise=0.01):

@@ -7,10 +7,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedMedian, FedProx
 
-from clients.mod import compression_mod
+from fedcomp.clients.mod import compression_mod
 from fedcomp import protocol as P
-from strategies.streaming import RunningMean, StreamingGrid, can_stream
-from strategies.wrapper import CompressedStrategy
+from fedcomp.strategies.streaming import RunningMean, StreamingGrid, can_stream
+from fedcomp.strategies.wrapper import CompressedStrategy
 
 
 def _model(seed=0):

@@ -1,4 +1,4 @@
-"""Tests of the default federated task (simulations.task) and result files."""
+"""Tests of the default federated task (fedcomp.simulations.task) and result files."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from simulations import results, task
+from fedcomp.simulations import results, task
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.faults import faults_mod
-from clients.mod import compression_mod, node_device
-from simulations import task
+from fedcomp.simulations.faults import faults_mod
+from fedcomp.clients.mod import compression_mod, node_device
+from fedcomp.simulations import task
 
 app = ClientApp(mods=[faults_mod, compression_mod])  # faults_mod is a no-op unless run config `faults` is set
 

@@ -16,11 +16,12 @@ from flwr.serverapp import ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 import fedcomp
-from clients.faults import parse_faults
+from fedcomp.simulations.faults import parse_faults
 from fedcomp.broadcast import parse_thresholds, parse_tiers
 from fedcomp.budget import FALLBACKS
-from simulations import links, results, task
-from strategies.wrapper import CompressedStrategy
+from fedcomp import links
+from fedcomp.simulations import results, task
+from fedcomp.strategies.wrapper import CompressedStrategy
 
 app = ServerApp()
 
