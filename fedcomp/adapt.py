@@ -91,8 +91,6 @@ class StrengthController:
         if isinstance(signal, bool) or not isinstance(signal, (int, float)) or not math.isfinite(signal):
             raise AdaptError(f"signal={signal!r} for round {round} is invalid: it must be a finite number")
         decision = "hold"
-        if self._quiet:
-            self._quiet -= 1
         if signal > self.best + self.tolerance:
             self._progress, self._stalled = self._progress + 1, 0
             if self._progress >= self.patience and not self._quiet:
@@ -104,6 +102,7 @@ class StrengthController:
             if self._stalled >= self.patience:
                 decision, self._stalled = "relax", 0
         self.best = max(self.best, signal)
+        self._quiet = max(0, self._quiet - 1)
         if decision == "tighten":
             self.budget = max(float(self.lowest), self.budget * self.tighten)
         elif decision == "relax":
