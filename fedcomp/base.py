@@ -16,23 +16,77 @@ from typing import Any, ClassVar
 import torch
 
 from fedcomp.errors import SpecError
+from fedcomp.layout import TensorSpec
 from fedcomp.wire import Reader, Writer
 
 REGISTRY: dict[str, type["Stage"]] = {}
+SCALES = ("fraction", "count", "block", "levels")  # how a budget knob's values run (see Knob)
 
 
 def register(cls: type["Stage"]) -> type["Stage"]:
-    REGISTRY[cls.name] = cls
+    """Class decorator: make a stage available to specs under ``cls.name``.
+
+    That is all a new codec needs: the contract tests, the fuzz targets and the byte-budget
+    controller enumerate this registry and read the class's traits (``unbiased``, ``linear``,
+    ``sparse``, ``budget_knobs``...). :func:`unregister` undoes it (tests that define a codec).
+    """
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name or getattr(cls, "kind", None) not in ("quantizer", "reducer"):
+        raise SpecError(f"cannot register {cls!r}: a stage needs a non-empty str name and subclasses Quantizer or Reducer")
+    if name in REGISTRY and REGISTRY[name] is not cls:
+        raise SpecError(f"a codec named {name!r} is already registered ({REGISTRY[name].__qualname__}); pick another name")
+    for knob in getattr(cls, "budget_knobs", ()):
+        if knob.param not in {f.name for f in dataclasses.fields(cls.Config)}:
+            raise SpecError(f"{name}: budget knob {knob.param!r} is not a field of {name}.Config")
+    REGISTRY[name] = cls
     return cls
+
+
+def unregister(name: str) -> None:
+    """Remove a registered stage (a test-local codec): specs naming it fail again."""
+    REGISTRY.pop(name, None)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A parameter a byte budget may move (declared on the stage class in ``budget_knobs``).
+
+    ``scale`` says how its values run; the controller (:mod:`fedcomp.budget`) bisects the fine
+    scales and tries ``levels`` one by one, highest first::
+
+        "fraction"  param = i / n, i = 1..n, n = elements of the stage's largest segment (ratio)
+        "count"     param = i, i = lo..hi (hi None: the layout's float elements; e.g. sketch cols)
+        "block"     param = elements per scale, from the most values a segment holds down to
+                    ``lo`` (each step finer costs bytes; kbit block, qsgd bucket)
+        "levels"    param = hi, hi - 1, ..., lo (bits, rank); a quantizer after a reducer only
+                    moves up from the written value (the user's choice is a floor)
+    """
+
+    param: str  # the Config field the controller sets
+    scale: str  # one of SCALES
+    lo: int = 1  # smallest value ("block": smallest block; "levels"/"count": smallest level)
+    hi: int | None = None  # largest value; None: from the layout (Stage.knob_limit)
+
+    def __post_init__(self) -> None:
+        if self.scale not in SCALES:
+            raise SpecError(f"budget knob {self.param!r}: scale {self.scale!r} is not one of {SCALES}")
+
+    @property
+    def fine(self) -> bool:
+        """Bisected (many close values) rather than tried level by level."""
+        return self.scale != "levels"
 
 
 class Stage:
     """Base of selectors and quantizers: config handling and traits."""
 
     name: ClassVar[str]
-    kind: ClassVar[str]  # "selector" or "quantizer"
-    unbiased: ClassVar[bool] = False  # E[decode(encode(x))] == x
+    kind: ClassVar[str]  # "reducer" or "quantizer"
     Config: ClassVar[type]
+    # -- traits (class attributes; read by Codec, the budget controller, the contract tests) --
+    unbiased: ClassVar[bool] = False  # E[decode(encode(x))] == x (may be a property where a parameter decides)
+    budget_knobs: ClassVar[tuple[Knob, ...]] = ()  # parameters a byte budget may move, finest last
+    budget_args: ClassVar[dict[str, Any]] = {}  # arguments a budgeted stage is forced to (exact selection)
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -59,6 +113,11 @@ class Stage:
     def canonical(self) -> str:
         args = ",".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.config).items())
         return f"{self.name}({args})"
+
+    def knob_limit(self, knob: Knob, floats: list[TensorSpec]) -> int:
+        """Largest value of a "levels" or "count" knob on a model with these float tensors
+        (default: the knob's ``hi``, else the number of float elements)."""
+        return knob.hi if knob.hi is not None else max(1, sum(t.numel for t in floats))
 
     def fail(self, key: str, allowed: str) -> None:
         value = getattr(self.config, key)
@@ -129,6 +188,13 @@ class Reducer(Stage):
     kind = "reducer"
     scope: str = "global"  # "global": one segment over all float tensors; "tensor": one per tensor
     linear: ClassVar[bool] = False  # values of several encodes may be summed before expand
+    sparse: ClassVar[bool] = False  # decodes to a few nonzero elements (values at kept positions, zeros elsewhere)
+
+    def max_values(self, floats: list[TensorSpec]) -> int:
+        """Most values one segment hands the quantizer, for a model with these float tensors
+        (at most: the segment's elements; the budget's "block" range for the quantizer)."""
+        numels = [t.numel for t in floats]
+        return (sum(numels) if self.scope == "global" else max(numels, default=0))
 
     def default_quantizer(self) -> Quantizer:
         return REGISTRY["none"].from_args({})
@@ -169,6 +235,9 @@ class Reducer(Stage):
 
 class Selector(Reducer):
     """A sparsifier: picks the elements of a segment that travel, and codes their positions."""
+
+    sparse = True
+    budget_knobs = (Knob("ratio", "fraction"),)  # a subclass without a ratio sets its own (or ())
 
     def select(self, x: torch.Tensor, ctx: StageContext, seg: Segment) -> torch.Tensor:
         """Sorted int64 indices of the kept elements of the segment ``x``."""
