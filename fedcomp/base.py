@@ -285,3 +285,20 @@ def block_size(count: int, block: int) -> int:
 def blocks(count: int, block: int) -> int:
     """Number of blocks of ``block`` elements (0: one block) covering ``count`` elements."""
     return math.ceil(count / block_size(count, block)) if count else 0
+
+
+def example_specs(names: list[str] | None = None) -> tuple[str, ...]:
+    """Specs that exercise registered stages with their defaults (all of them, or ``names``).
+
+    A quantizer alone and after ``topk(ratio=0.1)``; a reducer alone and before ``kbit()``. The
+    contract tests (tests/test_codecs.py) and the fuzz targets (fedcomp.simulations.fuzz) run
+    these, so a newly registered codec is tested and fuzzed without an edit there.
+    """
+    out = []
+    for name in names if names is not None else list(REGISTRY):
+        cls = REGISTRY[name]
+        if cls.kind == "quantizer":
+            out += [f"{name}()", f"topk(ratio=0.1)+{name}()"]
+        else:
+            out += [f"{name}()", f"{name}()+kbit()"]
+    return tuple(out)

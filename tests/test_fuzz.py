@@ -37,18 +37,19 @@ class _HypothesisDraw:
 
 
 def test_targets_cover_every_registered_stage_and_policies():
-    used = {stage.name for spec in fuzz.SPECS if ";" not in spec for stage in parse_spec(spec)}
+    used = {stage.name for spec in fuzz.all_specs() if ";" not in spec for stage in parse_spec(spec)}
     assert set(REGISTRY) <= used, f"no fuzz target for {sorted(set(REGISTRY) - used)}"
     assert any(fuzz.is_nested(t) for t in TARGETS.values())
+    assert "mask" in fuzz.model() and fuzz.model()["mask"].dtype == torch.bool  # bool tensors are fuzzed too
 
 
-@pytest.mark.parametrize("spec", fuzz.SPECS)
+@pytest.mark.parametrize("spec", fuzz.all_specs())
 def test_real_payload_decodes(spec):
     target = TARGETS[spec]
     assert fuzz.check(target, target.payload) == "ok"
 
 
-@pytest.mark.parametrize("spec", fuzz.SPECS)
+@pytest.mark.parametrize("spec", fuzz.all_specs())
 @FUZZ
 @given(data=st.data())
 def test_mutated_payloads_raise_only_decode_errors(spec, data):
@@ -58,9 +59,9 @@ def test_mutated_payloads_raise_only_decode_errors(spec, data):
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
-@given(raw=st.binary(max_size=300), which=st.integers(0, len(fuzz.SPECS) - 1))
+@given(raw=st.binary(max_size=300), which=st.integers(0, len(fuzz.all_specs()) - 1))
 def test_random_bytes_raise_only_decode_errors(raw, which):
-    target = TARGETS[fuzz.SPECS[which]]
+    target = TARGETS[fuzz.all_specs()[which]]
     assert fuzz.check(target, raw) == "rejected"
     # the same bytes behind a valid header and CRC reach the body decoder
     framed = fuzz.fix_crc(target.payload[: fuzz.HEADER_BYTES] + raw + bytes(4), fuzz.is_nested(target))
