@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -272,9 +273,23 @@ class Selector(Reducer):
         return y
 
 
-def add_residual(update: dict[str, torch.Tensor], residual: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """update + residual, per tensor (plain error feedback); tensors without a residual as they are."""
-    return {n: t + residual[n].to(t.device, t.dtype) if n in residual else t for n, t in update.items()}
+def add_residual(
+    update: Mapping[str, torch.Tensor], residual: Mapping[str, torch.Tensor], *, promote: bool = False
+) -> dict[str, torch.Tensor]:
+    """update + residual, per tensor: the one error-feedback add-back (encode, skip, re-send).
+
+    Keys and order are ``update``'s: a tensor without a residual of its shape comes back as it is
+    (a residual of another shape is stale, and ignored); residuals of other tensors are dropped.
+    The sum is in the update's dtype, or with ``promote`` in the dtype a residual is kept in
+    (fp32 at least, float64 stays float64), so that nothing of the residual is rounded away.
+    """
+    out = {}
+    for n, t in update.items():
+        if promote and t.is_floating_point():
+            t = t.to(torch.promote_types(t.dtype, torch.float32))
+        r = residual.get(n)
+        out[n] = t + r.to(t.device, t.dtype) if r is not None and r.shape == t.shape else t
+    return out
 
 
 def block_size(count: int, block: int) -> int:
