@@ -152,12 +152,17 @@ def _broadcast(cfg) -> tuple[fedcomp.Layout, fedcomp.Codec, dict]:
         plan = dict(mode=str(cfg[P.MODE]), tier=int(cfg[P.TIER]), spec=str(cfg[P.DOWNLOAD_SPEC]),
                     payloads=[bytes(p) for p in cfg[P.PAYLOADS]], rounds=[int(r) for r in cfg[P.ROUNDS]],
                     base_crc=int(cfg[P.BASE_CRC]), crc=int(cfg[P.REF_CRC]), layout=layout)
-        for key, kind in ((P.TIERS, int), (P.SEED, int), (P.ROUND, int), (P.ARRAYS_KEY, str),
-                          (P.ERROR_FEEDBACK, bool), (P.TIER_KBPS, str)):
-            if not isinstance(cfg[key], kind):
-                raise TypeError(f"{key}={cfg[key]!r} is not a {kind.__name__}")
+        number = (int, float)
+        for key, kind, required in ((P.TIERS, int, True), (P.SEED, int, True), (P.ROUND, int, True),
+                                    (P.ARRAYS_KEY, str, True), (P.ERROR_FEEDBACK, bool, True), (P.TIER_KBPS, str, True),
+                                    (P.DELTA, number, False), (P.DELTA_REF, int, False), (P.ACK_ROUND, int, False),
+                                    (P.LINK_PROFILE, str, False), (P.DEADLINE, number, False), (P.FALLBACK, str, False)):
+            if (required or key in cfg) and not isinstance(cfg[key], kind):
+                raise TypeError(f"{key}={cfg[key]!r} is not of the type fedcomp sends")
         if cfg[P.TIERS] < 1:
             raise ValueError(f"{P.TIERS}={cfg[P.TIERS]} is not a positive number of tiers")
+        if cfg[P.TIER_KBPS]:
+            parse_thresholds(cfg[P.TIER_KBPS], cfg[P.TIERS])
         return layout, upload, plan
     except fedcomp.FedcompError as exc:
         raise ModError(f"fedcomp could not read the server's broadcast: {exc}. The server and this client "
@@ -173,7 +178,11 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
     layout, upload, plan = _broadcast(cfg)
     link = node_link(context, cfg)
     download_seen = reply_bytes(msg.content) if link is not None else 0
-    want = desired_tier(context, int(cfg[P.TIERS]), str(cfg[P.TIER_KBPS]), link)
+    try:
+        want = desired_tier(context, int(cfg[P.TIERS]), str(cfg[P.TIER_KBPS]), link)
+    except (fedcomp.SpecError, TypeError, ValueError) as exc:  # ModError passes: it is not among them
+        raise ModError(f"fedcomp could not place this node in a download tier: {exc}; check the node config's "
+                       f"download-tier, downlink-kbps and partition-id") from exc
     try:
         received, info = apply_plan(state.reference, state.reference_info, **plan)
     except fedcomp.FedcompError as exc:  # ResyncNeeded, or a step that does not decode

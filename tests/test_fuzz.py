@@ -340,3 +340,57 @@ def test_bool_tensors_are_exact_and_forged_bool_bytes_refused(spec):
     forged[-5] = 2  # the last bool's byte (before the CRC trailer)
     with pytest.raises(fedcomp.DecodeError, match="bool"):
         codec.decode(fuzz.fix_crc(bytes(forged)), layout)
+
+
+# -- the client mod: a hostile or broken broadcast gets an error reply, never an exception -----------
+_VALUES = st.one_of(st.none(), st.integers(-2**40, 2**40), st.floats(allow_nan=True), st.booleans(),
+                    st.text(max_size=20), st.binary(max_size=40), st.lists(st.integers(-3, 3), max_size=3))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(edits=st.lists(st.tuples(st.integers(0, 40), _VALUES), min_size=1, max_size=3), round_=st.integers(1, 2))
+def test_hostile_broadcast_records_get_error_replies(edits, round_):
+    from flwr.app import ArrayRecord, ConfigRecord, Message
+    from flwr.serverapp.strategy import FedAvg
+
+    from conftest import FakeGrid, node_context, shift_trainer, tiny_model
+    from fedcomp import protocol as P
+    from fedcomp.clients.mod import compression_mod
+    from fedcomp.strategies.wrapper import CompressedStrategy
+
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=1, min_train_nodes=1), upload="topk(ratio=0.1)+qsgd(bits=4)")
+    context = node_context(1)
+    model = tiny_model(rows=8, cols=6)
+    for r in range(1, round_ + 1):  # round 2: the node holds a reference, the broadcast is a chain
+        (msg,) = strategy.configure_train(r, ArrayRecord(model), ConfigRecord({}), FakeGrid([1]))
+        if r < round_:
+            strategy.aggregate_train(r, [compression_mod(msg, context, shift_trainer(1, r))])
+    record = msg.content.config_records[P.DOWNLOAD_RECORD]
+    keys = sorted(record)
+    for i, value in edits:
+        key = keys[i % len(keys)]
+        if value is None:
+            del record[key]
+            keys.remove(key)
+        else:
+            try:
+                record[key] = value
+            except (TypeError, ValueError):  # a value a ConfigRecord cannot hold never reaches a client
+                pass
+    raised = []
+
+    def app(m, c):  # a broadcast naming another record makes the app fail, as it should: that is the app's
+        try:
+            return shift_trainer(1, round_)(m, c)
+        except KeyError:
+            raised.append(1)
+            raise
+
+    try:
+        reply = compression_mod(msg, context, app)
+    except KeyError:
+        assert raised, "the mod raised, not the app"
+        return
+    assert isinstance(reply, Message)
+    if reply.has_error():
+        assert reply.error.reason.startswith("fedcomp") or "compression_mod" in reply.error.reason
