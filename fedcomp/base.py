@@ -4,6 +4,23 @@ A codec is a pipeline of at most two stages: a *selector* (sparsifier) that pick
 elements of a segment travel, then a *quantizer* that codes the values of those elements.
 Each stage class declares its parameters as a frozen ``Config`` dataclass (defaults there, one
 comment per field) and its traits as class attributes; the registry maps spec names to classes.
+
+Traits (read from the class by ``Codec``, the byte-budget controller and the contract tests):
+
+    unbiased        E[decode(encode(x))] == x (a property where a parameter decides, e.g. kbit's stochastic)
+    linear          (reducers) values of several encodes may be summed before expanding (sketch)
+    sparse          (reducers) decodes to the kept values and zeros elsewhere (every Selector)
+    scope           (reducers) "global": one segment over all float tensors; "tensor": one per tensor
+    budget_knobs    the parameters a byte budget may move, with their scale and range (Knob)
+    budget_args     arguments forced when budgeted (threshold and dgc select exactly: sample=1.0)
+
+A codec that needs error feedback is one that is not unbiased (``Codec.needs_error_feedback``).
+
+Adding a codec: subclass ``Quantizer`` (values -> bytes) or ``Reducer``/``Selector`` (segment ->
+fewer values + side information), give it ``name``, ``Config`` and its traits, decorate it with
+``@register``, and import its module where fedcomp loads the built-in ones (fedcomp/codec.py) or
+in your own code before building specs. Nothing else names it: tests/test_codecs.py's registry
+contract, the fuzz targets (fedcomp.simulations.fuzz) and fedcomp.budget enumerate the registry.
 """
 
 from __future__ import annotations
