@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -51,8 +51,10 @@ def register(cls: type["Stage"]) -> type["Stage"]:
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name or getattr(cls, "kind", None) not in ("quantizer", "reducer"):
         raise SpecError(f"cannot register {cls!r}: a stage needs a non-empty str name and subclasses Quantizer or Reducer")
-    if name in REGISTRY and REGISTRY[name] is not cls:
-        raise SpecError(f"a codec named {name!r} is already registered ({REGISTRY[name].__qualname__}); pick another name")
+    old = REGISTRY.get(name)
+    if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):  # a reload may replace
+        raise SpecError(f"a codec named {name!r} is already registered ({old.__module__}.{old.__qualname__}); "
+                        f"pick another name")
     for knob in getattr(cls, "budget_knobs", ()):
         if knob.param not in {f.name for f in dataclasses.fields(cls.Config)}:
             raise SpecError(f"{name}: budget knob {knob.param!r} is not a field of {name}.Config")

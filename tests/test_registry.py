@@ -131,3 +131,15 @@ def test_registration_refuses_clashes_and_bad_declarations():
     with pytest.raises(fedcomp.SpecError, match="scale"):
         Knob("bits", "logarithmic")
     assert "badknob-test" not in REGISTRY
+
+
+def test_reloading_a_codec_module_re_registers_it(extra_codec):
+    import importlib
+
+    import _extra_codec
+
+    fresh = importlib.reload(_extra_codec).Uniform
+    assert fresh is not Uniform
+    register(fresh)  # the same module and class name: a reload, not a clash
+    assert REGISTRY[NAME] is fresh
+    check_contract(f"{NAME}(bits=4)")
