@@ -67,11 +67,17 @@ class ModError(fedcomp.FedcompError):
 
 
 def node_device(context: Context) -> torch.device:
-    """The node's device: node config ``device`` if given, else CUDA when present, else CPU."""
+    """The node's device: node config ``device`` if given, else CUDA when present, else CPU.
+
+    Raises :class:`ModError` for a ``device`` torch does not know."""
     wanted = str(context.node_config.get("device", "cuda" if torch.cuda.is_available() else "cpu"))
     if wanted.startswith("cuda") and not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device(wanted)
+    try:
+        return torch.device(wanted)
+    except RuntimeError:
+        raise ModError(f"node config device={wanted!r} is invalid: set it to a torch device such as 'cpu', "
+                       f"'cuda' or 'cuda:1', or remove it") from None
 
 
 def desired_tier(context: Context, tiers: int, thresholds: str, link: links.Link | None = None) -> int:
@@ -111,9 +117,8 @@ def node_link(context: Context, cfg) -> links.Link | None:
     try:
         link = links.resolve_link(config, profile, seed=int(cfg[P.SEED]))
     except links.LinkError as exc:
-        raise ModError(f"fedcomp could not resolve this node's link: {exc}; fix the node config's link keys "
-                       f"(uplink-kbps, downlink-kbps, latency-ms, byte-cap, or link=<preset>) or the run "
-                       f"config's link-profile") from exc
+        raise ModError(f"fedcomp could not resolve this node's link (node config link keys, or the run "
+                       f"config's link-profile): {exc}") from exc
     if link is None:
         return None
     deadline = float(cfg.get(P.DEADLINE, 0.0))

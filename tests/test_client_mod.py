@@ -103,6 +103,8 @@ def test_bad_node_config_gets_an_error_reply():
     reason = _error(compression_mod(fresh(), node_context(1, **{"uplink-kbps": -3}),
                                     shift_trainer(1, 1)))
     assert "link" in reason and "uplink-kbps" in reason
+    reason = _error(compression_mod(fresh(), node_context(1, device="gpu7"), shift_trainer(1, 1)))
+    assert "device='gpu7'" in reason and "'cpu'" in reason
 
 
 def test_reply_the_mod_cannot_compress_gets_an_error_reply():
