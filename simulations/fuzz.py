@@ -81,7 +81,7 @@ ALLOC_FACTOR = 64  # a decode may allocate 64 x (layout elements + payload bits)
 
 
 def model(seed: int = 0) -> dict[str, torch.Tensor]:
-    """A small model with matrices, a 3-d tensor, a bias, half-precision and integer tensors."""
+    """A small model with matrices, a 3-d tensor, a bias, half-precision, integer and bool tensors."""
     g = torch.Generator().manual_seed(seed)
     return {
         "w": torch.randn(24, 40, generator=g),
