@@ -30,6 +30,7 @@ from flwr.app import RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 import fedcomp
+from fedcomp.base import add_residual
 from fedcomp.budget import FALLBACKS, BudgetTooSmall, fit_update
 from fedcomp import links
 
@@ -110,8 +111,8 @@ def budgeted_upload(
 def _too_small(exc, spec, update, residual, budget, build, fallback, nonce, round, state, error_feedback):
     if fallback == "skip":
         # nothing is sent: the whole update stays in the residual (sent in a later round)
-        kept = {n: t.float() + (residual[n].to(t.device).float() if residual and n in residual else 0)
-                for n, t in update.items() if t.is_floating_point()} if error_feedback else {}
+        floats = {n: t for n, t in update.items() if t.is_floating_point()}
+        kept = add_residual(floats, residual or {}, promote=True) if error_feedback else {}
         return BudgetedUpload(None, kept, state, spec, budget, "too-small-skipped", None, {"reason": str(exc)})
     coarsest = exc.coarsest
     st = {k: v.clone() for k, v in state.items()} if state is not None else None

@@ -22,49 +22,76 @@ the broadcast bytes it received and the measured seconds of decode + training + 
 encode's own time is not known before the fit: the budget reserves the longest of the node's
 recent encodes (x1.5). Without a link (profile 'none', no link keys) nothing of this happens.
 
-Messages without a fedcomp record (evaluation, or a strategy that is not wrapped) pass through.
+Messages without a fedcomp record (evaluation, or a strategy that is not wrapped) pass through;
+a *train* message without one means the strategy is not wrapped in ``CompressedStrategy``, and
+the node logs one warning saying so (once per node: the flag lives in its ``Context.state``).
+
+What the mod keeps per node is one declared class, :class:`fedcomp.clients.state.ClientState`,
+loaded once and saved once per message. A broadcast it cannot read, a node config it cannot
+use or a train reply it cannot compress gets an error reply (Flower's convention for mods:
+``Message(Error(code, reason), reply_to=msg)``) whose reason says how to fix it; the server's
+strategy records it as that client's failure.
 """
 
 from __future__ import annotations
 
+from logging import WARNING
 from time import perf_counter
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
+from flwr.common.logger import log
 
 import fedcomp
+from fedcomp import links
 from fedcomp import protocol as P
+from fedcomp.base import add_residual
 from fedcomp.broadcast import ResyncNeeded, apply_plan, parse_thresholds, tier_for_kbps
 from fedcomp.clients.budgeting import budgeted_upload, reply_bytes
-from fedcomp import links
+from fedcomp.clients.state import ClientState
 
 ENCODE_HISTORY = 5  # recent encode times kept; the budget reserves the longest of them (x ENCODE_MARGIN)
 ENCODE_MARGIN = 1.5
+UNWRAPPED_WARNING = (
+    "fedcomp: this node has compression_mod but received a train message without fedcomp's record: the "
+    "server's strategy is not wrapped in CompressedStrategy, so nothing is compressed. Wrap it: "
+    "strategy = CompressedStrategy(FedAvg(...), upload='topk(ratio=0.01)+qsgd(bits=4)') (this warning is "
+    "logged once per node)"
+)
 
 
-def _torch_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    return dict(record.to_torch_state_dict())
+class ModError(fedcomp.FedcompError):
+    """What compression_mod cannot work with; it becomes the reason of an error reply."""
 
 
 def node_device(context: Context) -> torch.device:
-    """The node's device: node config ``device`` if given, else CUDA when present, else CPU."""
+    """The node's device: node config ``device`` if given, else CUDA when present, else CPU.
+
+    Raises :class:`ModError` for a ``device`` torch does not know."""
     wanted = str(context.node_config.get("device", "cuda" if torch.cuda.is_available() else "cpu"))
     if wanted.startswith("cuda") and not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device(wanted)
+    try:
+        return torch.device(wanted)
+    except RuntimeError:
+        raise ModError(f"node config device={wanted!r} is invalid: set it to a torch device such as 'cpu', "
+                       f"'cuda' or 'cuda:1', or remove it") from None
 
 
 def desired_tier(context: Context, tiers: int, thresholds: str, link: links.Link | None = None) -> int:
     """The download tier this node belongs in: node config ``download-tier``, else its downlink
     kbps (node config ``downlink-kbps``, else its ``link``'s) against the server's thresholds,
-    else ``partition-id`` modulo the number of tiers (simulated nodes know nothing else), else 0."""
+    else ``partition-id`` modulo the number of tiers (simulated nodes know nothing else), else 0.
+
+    Raises :class:`ModError` for a ``download-tier`` outside the server's tiers."""
     config = context.node_config
     if "download-tier" in config:
         tier = config["download-tier"]
         if isinstance(tier, bool) or not isinstance(tier, int) or not 0 <= tier < tiers:
-            raise RuntimeError(f"node config download-tier={tier!r} is invalid: it must be an integer in [0, {tiers - 1}]")
+            raise ModError(f"node config download-tier={tier!r} is invalid: the server has {tiers} download "
+                           f"tier(s); set it to an integer in [0, {tiers - 1}] or remove it")
         return tier
     limits = parse_thresholds(thresholds, tiers) if thresholds else ()
     if limits and "downlink-kbps" in config:
@@ -79,7 +106,9 @@ def desired_tier(context: Context, tiers: int, thresholds: str, link: links.Link
 def node_link(context: Context, cfg) -> links.Link | None:
     """This node's link: node-config link keys first (``uplink-kbps`` or ``link=<preset>``; a
     ``downlink-kbps`` alone only picks the download tier), else the run's link profile (sent in
-    the broadcast) for its partition; the run's round deadline where the link has none. None: no link."""
+    the broadcast) for its partition; the run's round deadline where the link has none. None: no link.
+
+    Raises :class:`ModError` when the keys do not describe a link."""
     profile = str(cfg.get(P.LINK_PROFILE, links.NONE))
     config = context.node_config
     if "link" not in config and "uplink-kbps" not in config:
@@ -88,89 +117,88 @@ def node_link(context: Context, cfg) -> links.Link | None:
     try:
         link = links.resolve_link(config, profile, seed=int(cfg[P.SEED]))
     except links.LinkError as exc:
-        raise RuntimeError(f"fedcomp could not resolve this node's link: {exc}") from exc
+        raise ModError(f"fedcomp could not resolve this node's link (node config link keys, or the run "
+                       f"config's link-profile): {exc}") from exc
     if link is None:
         return None
     deadline = float(cfg.get(P.DEADLINE, 0.0))
     return links.with_deadline(link, deadline if deadline > 0 else None)
 
 
-def _held_reference(context: Context) -> tuple[dict[str, torch.Tensor] | None, tuple[int, int, int] | None]:
-    if P.REF_STATE not in context.state.array_records or P.REF_INFO_STATE not in context.state.config_records:
-        return None, None
-    info = context.state.config_records[P.REF_INFO_STATE]
-    return _torch_dict(context.state.array_records[P.REF_STATE]), (
-        int(info[P.TIER]), int(info[P.REF_VERSION]), int(info[P.REF_CRC]))
-
-
-def _forget(context: Context, *keys: str) -> None:
-    for key in keys:
-        if key in context.state:
-            del context.state[key]
-
-
-def _return_unacknowledged(context: Context, cfg, residual, use_ef: bool):
-    """Nothing lost: if the update sent last time never reached the aggregate (dropped as
-    corrupt, late, or its reply lost), the server's ack says so and it goes back into the
-    residual, to be sent again. An acknowledged one is simply forgotten."""
-    if P.PENDING_INFO_STATE not in context.state.config_records:
-        return residual
-    sent_round = int(context.state.config_records[P.PENDING_INFO_STATE]["round"])
-    pending = _torch_dict(context.state.array_records[P.PENDING_STATE]) if P.PENDING_STATE in context.state else {}
-    _forget(context, P.PENDING_STATE, P.PENDING_INFO_STATE)
-    ack = int(cfg.get(P.ACK_ROUND, sent_round))  # a server that does not ack: assume it arrived
-    if ack >= sent_round or not use_ef:
-        return residual
-    residual = dict(residual or {})
-    for name, update in pending.items():
-        if name in residual and residual[name].shape == update.shape:
-            residual[name] = residual[name] + update.to(residual[name].dtype)
-        else:
-            residual[name] = update.clone()
-    return residual
-
-
-def _keep_pending(context: Context, cfg, encoded, server_round: int, use_ef: bool, beta: float) -> None:
-    """Remember what this reply carries until the server acknowledges it (error feedback on, no
-    delta coding: with delta coding a dropped reply already restarts the reference)."""
-    if not use_ef or beta > 0 or P.ACK_ROUND not in cfg:
-        return
-    context.state[P.PENDING_STATE] = ArrayRecord(
-        {k: v.detach().cpu() for k, v in encoded.decoded.items() if v.is_floating_point()})
-    context.state[P.PENDING_INFO_STATE] = ConfigRecord({"round": server_round})
-
-
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Flower mod: decode the compressed broadcast, compress the reply (see module docstring)."""
     if not msg.has_content() or P.DOWNLOAD_RECORD not in msg.content.config_records:
+        if msg.metadata.message_type.split(".")[0] == MessageType.TRAIN:
+            _warn_unwrapped(context)
         return call_next(msg, context)
-    start = perf_counter()  # compute time: decode + training + encode (what the client does)
-    cfg = msg.content.config_records[P.DOWNLOAD_RECORD]
-    link = node_link(context, cfg)
-    download_seen = reply_bytes(msg.content) if link is not None else 0
-    want = desired_tier(context, int(cfg[P.TIERS]), str(cfg[P.TIER_KBPS]), link)
+    state = ClientState.load(context)
+    try:
+        return _round(msg, context, call_next, state)
+    except ModError as exc:
+        return Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, str(exc)), reply_to=msg)
+    finally:  # also when the ClientApp raised: the reference it was handed is this node's now
+        state.save(context)
+
+
+def _warn_unwrapped(context: Context) -> None:
+    state = ClientState.load(context)
+    if not state.warned_unwrapped:
+        log(WARNING, UNWRAPPED_WARNING)
+        state.warned_unwrapped = True
+        state.save(context)
+
+
+def _broadcast(cfg) -> tuple[fedcomp.Layout, fedcomp.Codec, dict]:
+    """The broadcast's layout, upload codec and plan arguments; ModError when it is unreadable
+    (every key the mod reads later is checked here too)."""
     try:
         layout = fedcomp.Layout.from_json(str(cfg[P.LAYOUT]))
         upload = fedcomp.build_codec(str(cfg[P.UPLOAD_SPEC]))
+        plan = dict(mode=str(cfg[P.MODE]), tier=int(cfg[P.TIER]), spec=str(cfg[P.DOWNLOAD_SPEC]),
+                    payloads=[bytes(p) for p in cfg[P.PAYLOADS]], rounds=[int(r) for r in cfg[P.ROUNDS]],
+                    base_crc=int(cfg[P.BASE_CRC]), crc=int(cfg[P.REF_CRC]), layout=layout)
+        number = (int, float)
+        for key, kind, required in ((P.TIERS, int, True), (P.SEED, int, True), (P.ROUND, int, True),
+                                    (P.ARRAYS_KEY, str, True), (P.ERROR_FEEDBACK, bool, True), (P.TIER_KBPS, str, True),
+                                    (P.DELTA, number, False), (P.DELTA_REF, int, False), (P.ACK_ROUND, int, False),
+                                    (P.LINK_PROFILE, str, False), (P.DEADLINE, number, False), (P.FALLBACK, str, False)):
+            if (required or key in cfg) and not isinstance(cfg[key], kind):
+                raise TypeError(f"{key}={cfg[key]!r} is not of the type fedcomp sends")
+        if cfg[P.TIERS] < 1:
+            raise ValueError(f"{P.TIERS}={cfg[P.TIERS]} is not a positive number of tiers")
+        if cfg[P.TIER_KBPS]:
+            parse_thresholds(cfg[P.TIER_KBPS], cfg[P.TIERS])
+        return layout, upload, plan
     except fedcomp.FedcompError as exc:
-        raise RuntimeError(f"fedcomp could not read the broadcast: {exc}") from exc
-    held, held_info = _held_reference(context)
+        raise ModError(f"fedcomp could not read the server's broadcast: {exc}. The server and this client "
+                       f"must run the same fedcomp version; reinstall it on both") from exc
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModError(f"fedcomp's broadcast record is malformed ({type(exc).__name__}: {exc}); the server and "
+                       f"this client must run the same fedcomp version; reinstall it on both") from exc
+
+
+def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: ClientState) -> Message:
+    start = perf_counter()  # compute time: decode + training + encode (what the client does)
+    cfg = msg.content.config_records[P.DOWNLOAD_RECORD]
+    layout, upload, plan = _broadcast(cfg)
+    link = node_link(context, cfg)
+    download_seen = reply_bytes(msg.content) if link is not None else 0
     try:
-        received, info = apply_plan(
-            held, held_info, mode=str(cfg[P.MODE]), tier=int(cfg[P.TIER]), spec=str(cfg[P.DOWNLOAD_SPEC]),
-            payloads=[bytes(p) for p in cfg[P.PAYLOADS]], rounds=[int(r) for r in cfg[P.ROUNDS]],
-            base_crc=int(cfg[P.BASE_CRC]), crc=int(cfg[P.REF_CRC]), layout=layout,
-        )
+        want = desired_tier(context, int(cfg[P.TIERS]), str(cfg[P.TIER_KBPS]), link)
+    except (fedcomp.SpecError, TypeError, ValueError) as exc:  # ModError passes: it is not among them
+        raise ModError(f"fedcomp could not place this node in a download tier: {exc}; check the node config's "
+                       f"download-tier, downlink-kbps and partition-id") from exc
+    try:
+        received, info = apply_plan(state.reference, state.reference_info, **plan)
     except fedcomp.FedcompError as exc:  # ResyncNeeded, or a step that does not decode
-        _forget(context, P.REF_STATE, P.REF_INFO_STATE)
+        state.reference, state.reference_info = None, None
         reason = str(exc) if isinstance(exc, ResyncNeeded) else f"broadcast did not decode: {exc}"
         record = {P.RESYNC: reason, P.WANT_TIER: want}
         if link is not None:  # no training, but the round still cost this node its download
             record.update({P.LINK: link.describe(), P.BUDGET: -1, P.DOWNLOAD_SEEN: download_seen,
                            P.COMPUTE_S: float(perf_counter() - start)})
         return Message(RecordDict({P.UPLOAD_RECORD: ConfigRecord(record)}), reply_to=msg)
-    context.state[P.REF_STATE] = ArrayRecord(received)
-    context.state[P.REF_INFO_STATE] = ConfigRecord({P.TIER: info[0], P.REF_VERSION: info[1], P.REF_CRC: info[2]})
+    state.reference, state.reference_info = received, info
 
     arrays_key = str(cfg[P.ARRAYS_KEY])
     inner = RecordDict({k: v for k, v in msg.content.items() if k != P.DOWNLOAD_RECORD})
@@ -182,36 +210,31 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
 
     array_keys = list(reply.content.array_records)
     if len(array_keys) != 1:
-        raise RuntimeError(
-            f"compression_mod needs a train reply with exactly one ArrayRecord, got {len(array_keys)}: {array_keys}"
-        )
-    trained = _torch_dict(reply.content.array_records[array_keys[0]])
+        raise ModError(f"compression_mod needs a train reply with exactly one ArrayRecord (the trained model), "
+                       f"got {len(array_keys)}: {array_keys}; return the model as one ArrayRecord and metrics "
+                       f"in a MetricRecord")
+    trained = dict(reply.content.array_records[array_keys[0]].to_torch_state_dict())
     try:
         layout.check(trained)
     except fedcomp.SpecError as exc:  # a client with another model: say so instead of a shape error
-        return Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, f"fedcomp: the trained model does not match "
-                             f"the server's layout: {exc}"), reply_to=msg)
+        raise ModError(f"fedcomp: the trained model does not match the server's layout: {exc}; the ClientApp "
+                       f"must train and return the model the server sent (same names, shapes and dtypes)") from exc
     device = node_device(context)
     delta = {name: trained[name].to(device) - received[name].to(device) for name in layout.names}
 
     use_ef = bool(cfg[P.ERROR_FEEDBACK])
-    residual = _torch_dict(context.state.array_records[P.RESIDUAL_STATE]) if (
-        use_ef and P.RESIDUAL_STATE in context.state.array_records
-    ) else None
-    residual = _return_unacknowledged(context, cfg, residual, use_ef)
+    residual = _return_unacknowledged(state, cfg, state.residual if use_ef else None, use_ef)
     # delta coding: encode update - beta * (what the server reconstructed from our last reply),
     # only when the server holds that same reference (else send the plain update: a resync)
     beta = float(cfg.get(P.DELTA, 0.0))
     ref = 0
     last_sent: dict[str, torch.Tensor] = {}
-    if beta > 0 and P.LAST_SENT_STATE in context.state.array_records:
-        last_round = int(context.state.config_records[P.LAST_ROUND_STATE]["round"])
-        if last_round != 0 and last_round == int(cfg.get(P.DELTA_REF, 0)):
-            ref = last_round
-            last_sent = {k: v.to(device) for k, v in _torch_dict(context.state.array_records[P.LAST_SENT_STATE]).items()}
+    if beta > 0 and state.last_sent is not None and state.last_round is not None:
+        if state.last_round != 0 and state.last_round == int(cfg.get(P.DELTA_REF, 0)):
+            ref = state.last_round
+            last_sent = {k: v.to(device) for k, v in state.last_sent.items()}
             delta = {k: v - beta * last_sent[k] if k in last_sent else v for k, v in delta.items()}
-    state = _torch_dict(context.state.array_records[P.CODEC_STATE]) if P.CODEC_STATE in context.state.array_records else {}
-    state = {k: v.to(device) for k, v in state.items()}
+    codec_state = {k: v.to(device) for k, v in state.codec_state.items()}
     server_round = int(cfg[P.ROUND])
     # the partition id where the node has one: node ids are random per simulation run, and the
     # nonce (stochastic rounding, random-k) must not be, for seeded runs to repeat bit for bit
@@ -222,37 +245,60 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
               P.REF_CRC: info[2], P.WANT_TIER: want}
     if link is not None:
         reply.content = _budgeted_reply(
-            context, cfg, upload.spec, link, delta, residual, state, rest, record, nonce=nonce,
+            state, cfg, upload.spec, link, delta, residual, codec_state, rest, record, nonce=nonce,
             server_round=server_round, use_ef=use_ef, beta=beta, last_sent=last_sent,
             download_seen=download_seen, start=start)
         return reply
     encoded, new_residual = fedcomp.compress(
-        upload, delta, residual, nonce=nonce, error_feedback=use_ef, round=server_round, state=state
+        upload, delta, residual, nonce=nonce, error_feedback=use_ef, round=server_round, state=codec_state
     )
-    if new_residual:
-        context.state[P.RESIDUAL_STATE] = ArrayRecord({k: v.cpu() for k, v in new_residual.items()})
-    if state:
-        context.state[P.CODEC_STATE] = ArrayRecord({k: v.cpu() for k, v in state.items()})
-
-    if beta > 0:
-        sent = {k: v + beta * last_sent[k] if k in last_sent else v
-                for k, v in encoded.decoded.items() if v.is_floating_point()}
-        context.state[P.LAST_SENT_STATE] = ArrayRecord({k: v.cpu() for k, v in sent.items()})
-        context.state[P.LAST_ROUND_STATE] = ConfigRecord({"round": server_round})
-    _keep_pending(context, cfg, encoded, server_round, use_ef and bool(new_residual), beta)
-
+    _remember(state, cfg, encoded, new_residual, codec_state, server_round, use_ef, beta, last_sent)
     rest[P.UPLOAD_RECORD] = ConfigRecord({P.PAYLOAD: encoded.payload, **record})
     reply.content = rest
     return reply
 
 
-def _budgeted_reply(context, cfg, spec, link, delta, residual, state, rest, record, *, nonce, server_round,
+def _return_unacknowledged(state: ClientState, cfg, residual, use_ef: bool):
+    """Nothing lost: if the update sent last time never reached the aggregate (dropped as
+    corrupt, late, or its reply lost), the server's ack says so and it goes back into the
+    residual, to be sent again. An acknowledged one is simply forgotten."""
+    if state.pending_round is None:
+        return residual
+    sent_round, pending = state.pending_round, state.pending or {}
+    state.pending, state.pending_round = None, None
+    ack = int(cfg.get(P.ACK_ROUND, sent_round))  # a server that does not ack: assume it arrived
+    if ack >= sent_round or not use_ef:
+        return residual
+    # re-added where the residual has the same shape (the residual's precision: fp32 at least)
+    return {**(residual or {}), **add_residual(pending, residual or {}, promote=True)}
+
+
+def _remember(state: ClientState, cfg, encoded, new_residual, codec_state, server_round: int, use_ef: bool,
+              beta: float, last_sent) -> None:
+    """After an encode: the new residual and codec state; what the server will reconstruct (delta
+    coding); and, until the server acknowledges it, the update itself (error feedback on, no delta
+    coding: with delta coding a dropped reply already restarts the reference)."""
+    if use_ef and new_residual:
+        state.residual = new_residual
+    if codec_state:
+        state.codec_state = codec_state
+    if encoded is None:
+        return
+    if beta > 0:
+        state.last_sent = {k: v + beta * last_sent[k] if k in last_sent else v
+                           for k, v in encoded.decoded.items() if v.is_floating_point()}
+        state.last_round = server_round
+    if use_ef and new_residual and beta <= 0 and P.ACK_ROUND in cfg:
+        state.pending = {k: v for k, v in encoded.decoded.items() if v.is_floating_point()}
+        state.pending_round = server_round
+
+
+def _budgeted_reply(state, cfg, spec, link, delta, residual, codec_state, rest, record, *, nonce, server_round,
                     use_ef, beta, last_sent, download_seen, start) -> RecordDict:
     """Step 3 for a node with a link: the reply whose whole size fits the link's budget."""
     encode_start = perf_counter()
     compute_s = encode_start - start  # decode + training
-    history = [float(v) for v in context.state.config_records[P.ENCODE_STATE]["s"]] if (
-        P.ENCODE_STATE in context.state.config_records) else []
+    history = list(state.encode_seconds)
     # this round's encode time is not known yet: reserve 1.5x the longest recent one (first round:
     # as long as decode + training took) so a noisy encode does not push the node past its deadline
     reserve = ENCODE_MARGIN * max(history) if history else compute_s
@@ -271,24 +317,16 @@ def _budgeted_reply(context, cfg, spec, link, delta, residual, state, rest, reco
     try:
         result = budgeted_upload(
             spec, delta, residual, link=link, download_bytes=download_seen, compute_s=compute_s + reserve,
-            build=build, nonce=nonce, round=server_round, state=state, error_feedback=use_ef,
+            build=build, nonce=nonce, round=server_round, state=codec_state, error_feedback=use_ef,
             fallback=str(cfg.get(P.FALLBACK, "skip")),
         )
     except fedcomp.SpecError as exc:  # a codec without a free parameter, a bad fallback
-        raise RuntimeError(f"fedcomp could not fit the upload to this node's budget: {exc}") from exc
-    if use_ef and result.residual:
-        context.state[P.RESIDUAL_STATE] = ArrayRecord({k: v.detach().cpu() for k, v in result.residual.items()})
-    if result.state:
-        context.state[P.CODEC_STATE] = ArrayRecord({k: v.cpu() for k, v in result.state.items()})
-    if result.encoded is not None and beta > 0:
-        sent = {k: v + beta * last_sent[k] if k in last_sent else v
-                for k, v in result.encoded.decoded.items() if v.is_floating_point()}
-        context.state[P.LAST_SENT_STATE] = ArrayRecord({k: v.cpu() for k, v in sent.items()})
-        context.state[P.LAST_ROUND_STATE] = ConfigRecord({"round": server_round})
-    if result.encoded is not None:
-        _keep_pending(context, cfg, result.encoded, server_round, use_ef and bool(result.residual), beta)
+        raise ModError(f"fedcomp could not fit the upload to this node's byte budget: {exc}; use an upload "
+                       f"codec with a budget knob (e.g. topk, kbit, powersgd) or remove the node's link") from exc
+    _remember(state, cfg, result.encoded, result.residual if use_ef else {}, result.state or {}, server_round,
+              use_ef, beta, last_sent)
     encode_s = perf_counter() - encode_start  # the fit's search included: the client pays for it
-    context.state[P.ENCODE_STATE] = ConfigRecord({"s": (history + [encode_s])[-ENCODE_HISTORY:]})
+    state.encode_seconds = (history + [encode_s])[-ENCODE_HISTORY:]
     if result.content is None:  # skipped: no payload, the update stays in the residual
         content = RecordDict(dict(rest.items()))
         content[P.UPLOAD_RECORD] = ConfigRecord({

@@ -4,35 +4,109 @@ A codec is a pipeline of at most two stages: a *selector* (sparsifier) that pick
 elements of a segment travel, then a *quantizer* that codes the values of those elements.
 Each stage class declares its parameters as a frozen ``Config`` dataclass (defaults there, one
 comment per field) and its traits as class attributes; the registry maps spec names to classes.
+
+Traits (read from the class by ``Codec``, the byte-budget controller and the contract tests):
+
+    unbiased        E[decode(encode(x))] == x (a property where a parameter decides, e.g. kbit's stochastic)
+    linear          (reducers) values of several encodes may be summed before expanding (sketch)
+    sparse          (reducers) decodes to the kept values and zeros elsewhere (every Selector)
+    scope           (reducers) "global": one segment over all float tensors; "tensor": one per tensor
+    budget_knobs    the parameters a byte budget may move, with their scale and range (Knob)
+    budget_args     arguments forced when budgeted (threshold and dgc select exactly: sample=1.0)
+
+A codec that needs error feedback is one that is not unbiased (``Codec.needs_error_feedback``).
+
+Adding a codec: subclass ``Quantizer`` (values -> bytes) or ``Reducer``/``Selector`` (segment ->
+fewer values + side information), give it ``name``, ``Config`` and its traits, decorate it with
+``@register``, and import its module where fedcomp loads the built-in ones (fedcomp/codec.py) or
+in your own code before building specs. Nothing else names it: tests/test_codecs.py's registry
+contract, the fuzz targets (fedcomp.simulations.fuzz) and fedcomp.budget enumerate the registry.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from fedcomp.errors import SpecError
+from fedcomp.layout import TensorSpec
 from fedcomp.wire import Reader, Writer
 
 REGISTRY: dict[str, type["Stage"]] = {}
+SCALES = ("fraction", "count", "block", "levels")  # how a budget knob's values run (see Knob)
 
 
 def register(cls: type["Stage"]) -> type["Stage"]:
-    REGISTRY[cls.name] = cls
+    """Class decorator: make a stage available to specs under ``cls.name``.
+
+    That is all a new codec needs: the contract tests, the fuzz targets and the byte-budget
+    controller enumerate this registry and read the class's traits (``unbiased``, ``linear``,
+    ``sparse``, ``budget_knobs``...). :func:`unregister` undoes it (tests that define a codec).
+    """
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name or getattr(cls, "kind", None) not in ("quantizer", "reducer"):
+        raise SpecError(f"cannot register {cls!r}: a stage needs a non-empty str name and subclasses Quantizer or Reducer")
+    old = REGISTRY.get(name)
+    if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):  # a reload may replace
+        raise SpecError(f"a codec named {name!r} is already registered ({old.__module__}.{old.__qualname__}); "
+                        f"pick another name")
+    for knob in getattr(cls, "budget_knobs", ()):
+        if knob.param not in {f.name for f in dataclasses.fields(cls.Config)}:
+            raise SpecError(f"{name}: budget knob {knob.param!r} is not a field of {name}.Config")
+    REGISTRY[name] = cls
     return cls
+
+
+def unregister(name: str) -> None:
+    """Remove a registered stage (a test-local codec): specs naming it fail again."""
+    REGISTRY.pop(name, None)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A parameter a byte budget may move (declared on the stage class in ``budget_knobs``).
+
+    ``scale`` says how its values run; the controller (:mod:`fedcomp.budget`) bisects the fine
+    scales and tries ``levels`` one by one, highest first::
+
+        "fraction"  param = i / n, i = 1..n, n = elements of the stage's largest segment (ratio)
+        "count"     param = i, i = lo..hi (hi None: the layout's float elements; e.g. sketch cols)
+        "block"     param = elements per scale, from the most values a segment holds down to
+                    ``lo`` (each step finer costs bytes; kbit block, qsgd bucket)
+        "levels"    param = hi, hi - 1, ..., lo (bits, rank); a quantizer after a reducer only
+                    moves up from the written value (the user's choice is a floor)
+    """
+
+    param: str  # the Config field the controller sets
+    scale: str  # one of SCALES
+    lo: int = 1  # smallest value ("block": smallest block; "levels"/"count": smallest level)
+    hi: int | None = None  # largest value; None: from the layout (Stage.knob_limit)
+
+    def __post_init__(self) -> None:
+        if self.scale not in SCALES:
+            raise SpecError(f"budget knob {self.param!r}: scale {self.scale!r} is not one of {SCALES}")
+
+    @property
+    def fine(self) -> bool:
+        """Bisected (many close values) rather than tried level by level."""
+        return self.scale != "levels"
 
 
 class Stage:
     """Base of selectors and quantizers: config handling and traits."""
 
     name: ClassVar[str]
-    kind: ClassVar[str]  # "selector" or "quantizer"
-    unbiased: ClassVar[bool] = False  # E[decode(encode(x))] == x
+    kind: ClassVar[str]  # "reducer" or "quantizer"
     Config: ClassVar[type]
+    # -- traits (class attributes; read by Codec, the budget controller, the contract tests) --
+    unbiased: ClassVar[bool] = False  # E[decode(encode(x))] == x (may be a property where a parameter decides)
+    budget_knobs: ClassVar[tuple[Knob, ...]] = ()  # parameters a byte budget may move, finest last
+    budget_args: ClassVar[dict[str, Any]] = {}  # arguments a budgeted stage is forced to (exact selection)
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -59,6 +133,11 @@ class Stage:
     def canonical(self) -> str:
         args = ",".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.config).items())
         return f"{self.name}({args})"
+
+    def knob_limit(self, knob: Knob, floats: list[TensorSpec]) -> int:
+        """Largest value of a "levels" or "count" knob on a model with these float tensors
+        (default: the knob's ``hi``, else the number of float elements)."""
+        return knob.hi if knob.hi is not None else max(1, sum(t.numel for t in floats))
 
     def fail(self, key: str, allowed: str) -> None:
         value = getattr(self.config, key)
@@ -129,6 +208,13 @@ class Reducer(Stage):
     kind = "reducer"
     scope: str = "global"  # "global": one segment over all float tensors; "tensor": one per tensor
     linear: ClassVar[bool] = False  # values of several encodes may be summed before expand
+    sparse: ClassVar[bool] = False  # decodes to a few nonzero elements (values at kept positions, zeros elsewhere)
+
+    def max_values(self, floats: list[TensorSpec]) -> int:
+        """Most values one segment hands the quantizer, for a model with these float tensors
+        (at most: the segment's elements; the budget's "block" range for the quantizer)."""
+        numels = [t.numel for t in floats]
+        return (sum(numels) if self.scope == "global" else max(numels, default=0))
 
     def default_quantizer(self) -> Quantizer:
         return REGISTRY["none"].from_args({})
@@ -170,6 +256,9 @@ class Reducer(Stage):
 class Selector(Reducer):
     """A sparsifier: picks the elements of a segment that travel, and codes their positions."""
 
+    sparse = True
+    budget_knobs = (Knob("ratio", "fraction"),)  # a subclass without a ratio sets its own (or ())
+
     def select(self, x: torch.Tensor, ctx: StageContext, seg: Segment) -> torch.Tensor:
         """Sorted int64 indices of the kept elements of the segment ``x``."""
         raise NotImplementedError
@@ -203,9 +292,23 @@ class Selector(Reducer):
         return y
 
 
-def add_residual(update: dict[str, torch.Tensor], residual: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """update + residual, per tensor (plain error feedback); tensors without a residual as they are."""
-    return {n: t + residual[n].to(t.device, t.dtype) if n in residual else t for n, t in update.items()}
+def add_residual(
+    update: Mapping[str, torch.Tensor], residual: Mapping[str, torch.Tensor], *, promote: bool = False
+) -> dict[str, torch.Tensor]:
+    """update + residual, per tensor: the one error-feedback add-back (encode, skip, re-send).
+
+    Keys and order are ``update``'s: a tensor without a residual of its shape comes back as it is
+    (a residual of another shape is stale, and ignored); residuals of other tensors are dropped.
+    The sum is in the update's dtype, or with ``promote`` in the dtype a residual is kept in
+    (fp32 at least, float64 stays float64), so that nothing of the residual is rounded away.
+    """
+    out = {}
+    for n, t in update.items():
+        if promote and t.is_floating_point():
+            t = t.to(torch.promote_types(t.dtype, torch.float32))
+        r = residual.get(n)
+        out[n] = t + r.to(t.device, t.dtype) if r is not None and r.shape == t.shape else t
+    return out
 
 
 def block_size(count: int, block: int) -> int:
@@ -216,3 +319,20 @@ def block_size(count: int, block: int) -> int:
 def blocks(count: int, block: int) -> int:
     """Number of blocks of ``block`` elements (0: one block) covering ``count`` elements."""
     return math.ceil(count / block_size(count, block)) if count else 0
+
+
+def example_specs(names: list[str] | None = None) -> tuple[str, ...]:
+    """Specs that exercise registered stages with their defaults (all of them, or ``names``).
+
+    A quantizer alone and after ``topk(ratio=0.1)``; a reducer alone and before ``kbit()``. The
+    contract tests (tests/test_codecs.py) and the fuzz targets (fedcomp.simulations.fuzz) run
+    these, so a newly registered codec is tested and fuzzed without an edit there.
+    """
+    out = []
+    for name in names if names is not None else list(REGISTRY):
+        cls = REGISTRY[name]
+        if cls.kind == "quantizer":
+            out += [f"{name}()", f"topk(ratio=0.1)+{name}()"]
+        else:
+            out += [f"{name}()", f"{name}()+kbit()"]
+    return tuple(out)

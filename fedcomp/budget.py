@@ -5,13 +5,18 @@ the payload plus a fixed ``overhead`` the caller passes in (record framing, its 
 The result is the codec whose message is at most the budget and, when the budget lies inside
 the codec's range, at least 98% of it (:data:`FILL`).
 
-Which parameters move, per codec family (every other argument stays as written)::
+Which parameters move: those a stage class declares in ``budget_knobs`` (:class:`fedcomp.base.Knob`);
+every other argument stays as written. The first stage's knobs move; a quantizer's after a
+reducer only when the reducer has no fine knob. Declared today::
 
-    topk, randomk, threshold, dgc   ratio: k = 1..n kept elements (fine: one element per step)
-    sketch                          cols: 1.. (fine: rows cells per step)
-    kbit, qsgd (alone)              bits (coarse), then block / bucket down to BLOCK_MIN (fine)
-    powersgd                        rank (coarse); with a kbit/qsgd quantizer also its bits, from
+    topk, randomk, threshold, dgc   ratio ("fraction": k = 1..n kept elements, one element per step)
+    sketch                          cols ("count": 1.., rows cells per step)
+    kbit, qsgd                      bits ("levels", coarse), then block / bucket ("block") down to BLOCK_MIN
+    powersgd                        rank ("levels"); with a kbit/qsgd quantizer also its bits, from
                                     the written bits up to 8 (coarse), then its block (fine)
+
+A new codec joins by declaring its knobs (and ``budget_args``, arguments forced when budgeted);
+nothing here names a codec.
 
 Search: coarse settings are tried in order of preference (highest rank, then highest bits);
 for each, a bisection on the fine parameter finds the largest message that fits. The first
@@ -44,19 +49,17 @@ from dataclasses import dataclass
 
 import torch
 
+from fedcomp.base import REGISTRY
+from fedcomp.base import Stage as BaseStage
 from fedcomp.codec import Codec, Encoded
 from fedcomp.errors import FedcompError, SpecError
 from fedcomp.feedback import compress
 from fedcomp.layout import Layout
 from fedcomp.policy import is_policy
-from fedcomp.powersgd import factor_shape
 from fedcomp.spec import Stage, parse_spec
 
 FILL = 0.98  # a fit inside the codec's range fills at least this fraction of the budget
-BLOCK_MIN = 32  # smallest kbit block / qsgd bucket the controller uses (2 resp. 1 extra bit per value)
-SELECTORS = ("topk", "randomk", "threshold", "dgc")
-BITS_RANGE = {"kbit": (1, 8), "qsgd": (2, 8)}
-BLOCK_KEY = {"kbit": "block", "qsgd": "bucket"}
+BLOCK_MIN = 32  # smallest kbit block / qsgd bucket the controller uses (their Knob's lo; 2 resp. 1 extra bit per value)
 
 
 class BudgetTooSmall(FedcompError):
@@ -130,68 +133,77 @@ class _Plan:
     value: Callable[[int], object]  # fine index -> parameter value
 
 
+def _built(stages: list[Stage]) -> list[BaseStage]:
+    """The registered stage objects of a parsed spec (unknown names and bad values: SpecError)."""
+    out = []
+    for st in stages:
+        cls = REGISTRY.get(st.name)
+        if cls is None:
+            raise SpecError(f"unknown codec {st.name!r}; available: {', '.join(sorted(REGISTRY))}")
+        out.append(cls.from_args(dict(st.args)))
+    return out
+
+
 def _plan(stages: list[Stage], layout: Layout) -> _Plan:
-    names = [s.name for s in stages]
+    """The search space of a spec, from the knobs its stage classes declare (``budget_knobs``).
+
+    The first stage's knobs move; the second stage's (a quantizer after a reducer) only when the
+    first has no fine knob. "levels" knobs are the coarse settings (the first one's values form
+    the groups, the rest vary inside a group), the first fine knob is bisected.
+    """
+    built = _built(stages)
     floats = [t for t in layout.tensors if t.is_float]
-    total = sum(t.numel for t in floats)
-    largest = max((t.numel for t in floats), default=0)
-    first = stages[0]
-    args0 = dict(first.args)
-    if total == 0:
+    if not floats or sum(t.numel for t in floats) == 0:
         raise SpecError("the layout has no float tensors: there is nothing to budget")
-    if first.name in SELECTORS:
-        scope = str(args0.get("scope", "global")) if first.name != "dgc" else "global"
-        n = total if scope == "global" else largest
-        return _Plan([[{}]], 0, "ratio", 1, n, lambda i, n=n: i / n)
-    if first.name == "sketch":
-        return _Plan([[{}]], 0, "cols", 1, max(1, total), lambda i: i)
-    if first.name in BITS_RANGE and len(stages) == 1:
-        lo_b, hi_b = BITS_RANGE[first.name]
-        coarse = [[{0: {"bits": b}} for b in range(hi_b, lo_b - 1, -1)]]
-        return _block_plan(coarse, 0, first.name, largest)
-    if first.name == "powersgd":
-        mc = float(args0.get("min_compression", 2.0))
-        rmax = 1
-        for t in floats:
-            if len(t.shape) >= 2:
-                n_, m_ = t.shape[0], t.numel // t.shape[0]
-                cap = min(n_, m_) if mc <= 0 else min(n_, m_, int(n_ * m_ // ((n_ + m_) * mc)))
-                rmax = max(rmax, cap)
-        quant = stages[1].name if len(stages) > 1 else None
-        if quant in BITS_RANGE:
-            written = int(dict(stages[1].args).get("bits", 4))
-            coarse = [[{0: {"rank": r}, 1: {"bits": b}} for b in range(8, written - 1, -1)] for r in range(rmax, 0, -1)]
-            counts = [t.numel for t in floats]
-            for t in floats:  # the quantizer codes each tensor's factor values (or raw values)
-                f = factor_shape(t.shape, rmax, mc)
-                counts.append(t.numel if f is None else f[2] * (f[0] + f[1]))
-            return _block_plan(coarse, 1, quant, max(counts))
-        return _Plan([[{0: {"rank": r}}] for r in range(rmax, 0, -1)], None, None, 0, 0, lambda i: None)
-    raise SpecError(
-        f"codec {'+'.join(names)!r} has no parameter a byte budget can set; budgets work with "
-        f"{', '.join(SELECTORS)}, sketch (cols), kbit/qsgd alone (bits, block) and powersgd (rank)"
-    )
-
-
-def _block_plan(coarse: list[dict[int, dict]], stage: int, quant: str, largest: int) -> _Plan:
-    key = BLOCK_KEY[quant]
-    if largest <= BLOCK_MIN:  # one block already is as fine as the controller goes
-        return _Plan(coarse, None, None, 0, 0, lambda i: None)
-    hi = largest - BLOCK_MIN
-    # index 0: block = largest (one block per segment: the coarsest); index hi: BLOCK_MIN
-    return _Plan(coarse, stage, key, 0, hi, lambda i, top=largest: top - i)
+    knobs = [(0, k) for k in built[0].budget_knobs]
+    if len(built) > 1 and not any(k.fine for _, k in knobs):
+        knobs += [(1, k) for k in built[1].budget_knobs]
+    if not knobs:
+        movable = sorted(name for name, cls in REGISTRY.items() if cls.budget_knobs)
+        raise SpecError(
+            f"codec {'+'.join(s.name for s in stages)!r} has no parameter a byte budget can set; budgets work "
+            f"with codecs that declare budget_knobs: {', '.join(movable)} (a quantizer after a reducer "
+            f"moves only where the reducer has no fine knob, e.g. powersgd+kbit)"
+        )
+    levels = []  # (stage index, param, values highest first)
+    for i, k in knobs:
+        if k.fine:
+            continue
+        lo = k.lo if i == 0 else max(k.lo, int(getattr(built[i].config, k.param)))  # after a reducer: a floor
+        levels.append((i, k.param, range(built[i].knob_limit(k, floats), lo - 1, -1)))
+    groups: list[list[dict[int, dict]]] = [[{}]]
+    if levels:
+        (i0, p0, outer), inner = levels[0], levels[1:]
+        groups = []
+        for v in outer:
+            group = [{i0: {p0: v}}]
+            for i, param, values in inner:
+                group = [{**g, i: {**g.get(i, {}), param: w}} for g in group for w in values]
+            groups.append(group)
+    fine = next(((i, k) for i, k in knobs if k.fine), None)
+    if fine is None:
+        return _Plan(groups, None, None, 0, 0, lambda i: None)
+    i, k = fine
+    stage = built[i]
+    if k.scale == "fraction":  # elements of the selector's largest segment
+        n = stage.max_values(floats) if stage.kind == "reducer" else max(t.numel for t in floats)
+        return _Plan(groups, i, k.param, 1, n, lambda j, n=n: j / n)
+    if k.scale == "count":
+        return _Plan(groups, i, k.param, k.lo, stage.knob_limit(k, floats), lambda j: j)
+    # "block": one block per segment (index 0, the coarsest) down to k.lo elements per block
+    largest = built[0].max_values(floats) if i > 0 else max(t.numel for t in floats)
+    if largest <= k.lo:  # one block already is as fine as the controller goes
+        return _Plan(groups, None, None, 0, 0, lambda j: None)
+    return _Plan(groups, i, k.param, 0, largest - k.lo, lambda j, top=largest: top - j)
 
 
 def _stages(spec: str) -> list[Stage]:
-    """The spec's stages as budgeted: threshold adaptive, threshold and dgc with exact selection."""
+    """The spec's stages as budgeted: each stage's ``budget_args`` applied (e.g. exact selection)."""
     stages = parse_spec(spec)
-    first = stages[0]
-    args = dict(first.args)
-    if first.name == "threshold" and float(args.get("ratio", 0.0)) == 0.0:
-        args["ratio"] = 0.01  # placeholder: the controller sets it
-    if first.name in ("threshold", "dgc"):
-        args["sample"] = 1.0
-    stages[0] = Stage(first.name, tuple(args.items()))
+    for i, st in enumerate(stages):
+        forced = getattr(REGISTRY.get(st.name), "budget_args", {})
+        if forced:
+            stages[i] = Stage(st.name, tuple({**dict(st.args), **forced}.items()))
     return stages
 
 
@@ -398,7 +410,7 @@ FALLBACKS = ("skip", "coarsest")  # what a client does when even the coarsest se
 
 def check_budgetable(spec: str) -> None:
     """Raise SpecError unless a byte budget can set a free parameter of ``spec`` (a plain codec
-    spec: topk/randomk/threshold/dgc, sketch, kbit/qsgd alone, powersgd; not a policy)."""
+    spec whose stage declares ``budget_knobs``; not a policy)."""
     if is_policy(spec):
         raise SpecError(f"upload {spec!r} is a policy; byte budgets need a plain codec spec such as "
                         f"'topk(ratio=0.01,index=\'fixed\')+qsgd(bits=4)'")

@@ -70,6 +70,7 @@ class DGC(_CodedIndices):
     """
 
     name = "dgc"
+    budget_args = {"sample": 1.0}  # budgeted: exact top-k (see fedcomp.budget)
     scope = "global"  # one segment over all float tensors
 
     @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fedcomp.base import Reducer, Segment, StageContext, register
+from fedcomp.base import Knob, Reducer, Segment, StageContext, register
 from fedcomp.wire import Reader, Writer
 
 STATE_PREFIX = "powersgd.q/"  # client-state key of a tensor's warm-start Q: STATE_PREFIX + name
@@ -140,6 +140,7 @@ class PowerSGD(Reducer):
     scope = "tensor"
     unbiased = False
     linear = False
+    budget_knobs = (Knob("rank", "levels"),)  # limit: knob_limit (the largest useful rank)
 
     @dataclass(frozen=True)
     class Config:
@@ -194,3 +195,16 @@ class PowerSGD(Reducer):
             return values
         n, m, r = f
         return reconstruct(values[: n * r].view(n, r), values[n * r:].view(m, r)).reshape(-1)
+
+    # -- byte budgets: the rank's range, and the values the quantizer sees at the largest rank --
+    def knob_limit(self, knob, floats):
+        mc, top = self.config.min_compression, 1
+        for t in (t for t in floats if len(t.shape) >= 2):
+            n, m = t.shape[0], t.numel // t.shape[0]
+            top = max(top, min(n, m) if mc <= 0 else min(n, m, int(n * m // ((n + m) * mc))))
+        return top
+
+    def max_values(self, floats):
+        r, mc = self.knob_limit(None, floats), self.config.min_compression
+        return max([t.numel for t in floats] + [t.numel if f is None else f[2] * (f[0] + f[1])
+                                                for t in floats for f in [factor_shape(t.shape, r, mc)]], default=0)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedcomp.base import Quantizer, block_size, blocks, register
+from fedcomp.base import Knob, Quantizer, block_size, blocks, register
 from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits, unpack_codes
 from fedcomp.errors import DecodeError
 from fedcomp.wire import Reader, Writer
@@ -276,6 +276,7 @@ class KBit(Quantizer):
     """
 
     name = "kbit"
+    budget_knobs = (Knob("bits", "levels", 1, 8), Knob("block", "block", 32))
 
     @dataclass(frozen=True)
     class Config:
@@ -349,6 +350,7 @@ class QSGD(Quantizer):
 
     name = "qsgd"
     unbiased = True
+    budget_knobs = (Knob("bits", "levels", 2, 8), Knob("bucket", "block", 32))
 
     @dataclass(frozen=True)
     class Config:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedcomp.base import Reducer, Segment, StageContext, register
+from fedcomp.base import Knob, Reducer, Segment, StageContext, register
 from fedcomp.wire import Reader, Writer
 
 
@@ -26,6 +26,7 @@ class CountSketch(Reducer):
 
     name = "sketch"
     linear = True
+    budget_knobs = (Knob("cols", "count"),)  # 1 .. the float elements, rows cells per step
 
     @dataclass(frozen=True)
     class Config:

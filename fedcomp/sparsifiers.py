@@ -282,6 +282,7 @@ class Threshold(_CodedIndices):
     """
 
     name = "threshold"
+    budget_args = {"sample": 1.0}  # budgeted: exact top-k (sampled counts move in steps too coarse to fill 98%)
 
     @dataclass(frozen=True)
     class Config:

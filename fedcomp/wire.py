@@ -76,7 +76,10 @@ class Writer:
 
     def tensor(self, t: torch.Tensor) -> None:
         """Append a tensor's raw little-endian bytes (any dtype)."""
-        self.parts.append(t.detach().contiguous().reshape(-1).view(torch.uint8).to(self.device))
+        t = t.detach()
+        if t.dtype == torch.bool:  # the bytes 0/1, whatever a bool built by a view holds
+            t = t.to(torch.uint8)
+        self.parts.append(t.contiguous().reshape(-1).view(torch.uint8).to(self.device))
 
     def getvalue(self, layout_fp: bytes, codec_fp: int, nonce: int) -> bytes:
         head = HEADER.pack(MAGIC, VERSION, 0, layout_fp, codec_fp, nonce)
@@ -141,7 +144,10 @@ class Reader:
     def tensor(self, count: int, dtype: torch.dtype) -> torch.Tensor:
         """Read ``count`` values of ``dtype`` (a copy, safe to modify)."""
         size = torch.empty(0, dtype=dtype).element_size()
-        return self.take(count * size).clone().view(dtype)
+        raw = self.take(count * size).clone()
+        if dtype == torch.bool and bool((raw > 1).any()):  # a bool is the byte 0 or 1, never its raw value
+            raise DecodeError(f"bool tensor of {count} values holds bytes other than 0 and 1")
+        return raw.view(dtype)
 
     def finish(self) -> None:
         if self.remaining:

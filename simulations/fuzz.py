@@ -36,11 +36,13 @@ from typing import Protocol
 import torch
 
 import fedcomp
+from fedcomp.base import REGISTRY, example_specs
+from fedcomp.spec import parse_spec
 from fedcomp.policy import PolicyCodec
 from fedcomp.wire import HEADER_BYTES
 
-# One spec per registered stage at least (tests/test_fuzz.py checks the registry is covered),
-# each index coding, scope and the policies' sub-payload framing.
+# Hand-picked: every built-in stage, each index coding, scope and the policies' sub-payload framing.
+# A registered stage none of these names is fuzzed with its defaults (all_specs).
 SPECS: tuple[str, ...] = (
     "none()",
     "fp16",
@@ -66,11 +68,20 @@ SPECS: tuple[str, ...] = (
     "round<2: kbit(bits=8); name~b*: none(); sign(block=0)",
 )
 
+
+
+def all_specs() -> tuple[str, ...]:
+    """SPECS, then example specs (fedcomp.base.example_specs) of every registered stage that SPECS
+    does not use; the registry is read now, so a codec registered later joins."""
+    used = {stage.name for spec in SPECS if ";" not in spec for stage in parse_spec(spec)}
+    return SPECS + example_specs([name for name in REGISTRY if name not in used])
+
+
 ALLOC_FACTOR = 64  # a decode may allocate 64 x (layout elements + payload bits), e.g. sketch rows x n
 
 
 def model(seed: int = 0) -> dict[str, torch.Tensor]:
-    """A small model with matrices, a 3-d tensor, a bias, half-precision and integer tensors."""
+    """A small model with matrices, a 3-d tensor, a bias, half-precision, integer and bool tensors."""
     g = torch.Generator().manual_seed(seed)
     return {
         "w": torch.randn(24, 40, generator=g),
@@ -79,6 +90,7 @@ def model(seed: int = 0) -> dict[str, torch.Tensor]:
         "h": torch.randn(10, generator=g).half(),
         "bb": torch.randn(7, generator=g).bfloat16(),
         "steps": torch.tensor([3, 4], dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
     }
 
 
@@ -93,8 +105,9 @@ class Target:
     round: int
 
 
-def build_targets(specs: tuple[str, ...] = SPECS) -> list[Target]:
-    """One target per spec: a real encode of a random update of :func:`model`."""
+def build_targets(specs: tuple[str, ...] | None = None) -> list[Target]:
+    """One target per spec (default: :func:`all_specs`): a real encode of a random update of :func:`model`."""
+    specs = all_specs() if specs is None else specs
     update = model(seed=1)
     layout = fedcomp.Layout.of(update)
     out = []
@@ -254,6 +267,8 @@ def check(target: Target, data: bytes) -> str:
         t = out[spec.name]
         if tuple(t.shape) != spec.shape or t.dtype != spec.torch_dtype:
             raise AssertionError(f"{target.spec}: {spec.name} decoded as {tuple(t.shape)} {t.dtype}, layout {spec}")
+        if t.dtype == torch.bool and bool((t.view(torch.uint8) > 1).any()):
+            raise AssertionError(f"{target.spec}: bool tensor {spec.name} decoded with raw bytes other than 0/1")
     return "ok"
 
 
@@ -297,9 +312,9 @@ def main(argv: list[str] | None = None) -> None:
     _instrument(atheris)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", action="append", help="spec(s) to fuzz (default: all of SPECS)")
+    parser.add_argument("--target", action="append", help="spec(s) to fuzz (default: all_specs())")
     args, rest = parser.parse_known_args(argv)
-    targets = build_targets(tuple(args.target) if args.target else SPECS)
+    targets = build_targets(tuple(args.target) if args.target else None)
     counts = {t.spec: [0, 0] for t in targets}
     runs = next((int(a.split("=", 1)[1]) for a in rest if a.startswith("-runs=")), 0)
     every = max(1, min(runs or 100_000, 100_000))

@@ -181,3 +181,32 @@ def test_budgeted_reply_too_small_skips_or_sends_coarsest():
     assert all(torch.equal(skipped.residual[k], upd[k]) for k in upd)  # nothing lost: all kept for later
     coarse = budgeted_upload("kbit(bits=4)", upd, None, fallback="coarsest", **kw)
     assert coarse.status == "too-small-coarsest" and coarse.spec.startswith("kbit(bits=1,")
+
+
+def test_every_stage_with_budget_knobs_is_budgeted_here():
+    from fedcomp.base import REGISTRY
+
+    first = {fedcomp.spec.parse_spec(s)[0].name for s in BUDGETED}
+    second = {fedcomp.spec.parse_spec(s)[-1].name for s in BUDGETED if s.startswith("powersgd")}
+    knobbed = {n for n, c in REGISTRY.items() if c.budget_knobs and c.__module__.startswith("fedcomp.")}
+    assert knobbed <= first | second, f"add a BUDGETED spec for {sorted(knobbed - first - second)}"
+
+
+def test_the_controller_names_no_codec():
+    """Knobs come from the stage classes: fedcomp/budget.py compares with, looks up or lists no codec
+    name (its messages may give examples)."""
+    import ast
+    import inspect
+
+    from fedcomp.base import REGISTRY
+
+    tree = ast.parse(inspect.getsource(budget))
+    logic = (ast.Compare, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.Subscript, ast.Call)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, logic) and not isinstance(node, ast.JoinedStr):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.Constant) and child.value in REGISTRY:
+                    found.add(child.value)
+    assert not found, f"fedcomp/budget.py's code names codecs {sorted(found)}"
+    assert "topk" not in budget.__dict__ and not hasattr(budget, "SELECTORS")  # the old per-name tables are gone

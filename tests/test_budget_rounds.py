@@ -5,41 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 import fedcomp.clients.mod as mod
 import fedcomp
-from fedcomp.clients.mod import compression_mod, desired_tier
-from conftest import FakeGrid
+from fedcomp.clients.mod import desired_tier
+from conftest import node_context, run_round, tiny_model
 from fedcomp import protocol as P
 from fedcomp import links
 from fedcomp.strategies.wrapper import CompressedStrategy
 
 UPLOAD = "topk(ratio=0.1,index='fixed')+qsgd(bits=4)"
-
-
-def _model(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 50, generator=g), "b": torch.randn(64, generator=g), "steps": torch.tensor(3)}
-
-
-def _trainer(node: int, server_round: int):
-    """A ClientApp stand-in: moves the received model by a node- and round-dependent step."""
-
-    def app(msg: Message, context: Context) -> Message:
-        received = msg.content.array_records["arrays"].to_torch_state_dict()
-        g = torch.Generator().manual_seed(1000 * node + server_round)
-        trained = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v + 1
-                   for k, v in received.items()}
-        content = RecordDict({"arrays": ArrayRecord(trained), "metrics": MetricRecord({"num-examples": 10 + node})})
-        return Message(content, reply_to=msg)
-
-    return app
-
-
-def _context(node, **config):
-    return Context(run_id=1, node_id=node, node_config=config, state=RecordDict(), run_config={})
 
 
 def _strategy(**kwargs):
@@ -48,17 +24,8 @@ def _strategy(**kwargs):
 
 
 def _round(strategy, model, contexts, server_round, tamper=None):
-    messages = list(strategy.configure_train(server_round, ArrayRecord(model), ConfigRecord({}),
-                                             FakeGrid(sorted(contexts))))
-    replies = []
-    for msg in messages:
-        node = msg.metadata.dst_node_id
-        reply = compression_mod(msg, contexts[node], _trainer(node, server_round))
-        if tamper is not None:
-            tamper(node, reply)
-        replies.append(reply)
-    arrays, _ = strategy.aggregate_train(server_round, replies)
-    return (arrays.to_torch_state_dict() if arrays is not None else model), replies
+    new, replies, _ = run_round(strategy, model, contexts, server_round, tamper=tamper)
+    return new, replies
 
 
 def _fake_clock(monkeypatch, step):
@@ -72,13 +39,13 @@ def test_every_upload_within_its_budget_every_round(monkeypatch):
     # byte caps below the codec's largest message on a 3,250-parameter model, a deadline-derived
     # budget on 3g-edge, and simulated partitions on the 'mixed' profile
     caps = {1: 900, 2: 2000, 3: 4500}
-    contexts = {n: _context(n, **{"uplink-kbps": 100, "downlink-kbps": 1000, "latency-ms": 20, "byte-cap": c})
+    contexts = {n: node_context(n, **{"uplink-kbps": 100, "downlink-kbps": 1000, "latency-ms": 20, "byte-cap": c})
                 for n, c in caps.items()}
-    contexts[4] = _context(4, link="3g-edge")
+    contexts[4] = node_context(4, link="3g-edge")
     for n in (5, 6, 7):
-        contexts[n] = _context(n, **{"partition-id": n, "num-partitions": 10})
+        contexts[n] = node_context(n, **{"partition-id": n, "num-partitions": 10})
     strategy = _strategy(download="kbit(bits=8)", link_profile="mixed", round_deadline_s=0.8)
-    model = _model()
+    model = tiny_model()
     for r in range(1, 5):
         model, _ = _round(strategy, model, contexts, r)
         stats = strategy.rounds[r]
@@ -106,10 +73,10 @@ def test_simulated_round_time_hand_computed(monkeypatch):
     compute = 2 readings apart = 0.5 s (start, after training = encode start, encode end)."""
     _fake_clock(monkeypatch, 0.25)
     # A: 80 kbps up (10,000 B/s), 800 kbps down (100,000 B/s), 100 ms latency; B: 8 kbps up (1,000 B/s)
-    contexts = {1: _context(1, **{"uplink-kbps": 80, "downlink-kbps": 800, "latency-ms": 100}),
-                2: _context(2, **{"uplink-kbps": 8, "downlink-kbps": 800, "latency-ms": 100})}
+    contexts = {1: node_context(1, **{"uplink-kbps": 80, "downlink-kbps": 800, "latency-ms": 100}),
+                2: node_context(2, **{"uplink-kbps": 8, "downlink-kbps": 800, "latency-ms": 100})}
     strategy = _strategy(upload="topk(ratio=0.05,index='fixed')+qsgd(bits=4)", link_profile="none")
-    _round(strategy, _model(), contexts, 1)
+    _round(strategy, tiny_model(), contexts, 1)
     stats = strategy.rounds[1]
     by_node = {e["node"]: e for e in stats.links}
     down = {d["node"]: d["download_bytes"] for d in stats.downloads}
@@ -124,10 +91,10 @@ def test_simulated_round_time_hand_computed(monkeypatch):
     # - compute so far (0.25 s: one clock step from start to after training) - the encode reserve
     # (first round: as long as that, 0.25 s) - 0.1 s upload latency; its upload fits, and the
     # round ends when B does
-    contexts = {2: _context(2, **{"uplink-kbps": 8, "downlink-kbps": 800, "latency-ms": 100, "deadline-s": 3.0})}
+    contexts = {2: node_context(2, **{"uplink-kbps": 8, "downlink-kbps": 800, "latency-ms": 100, "deadline-s": 3.0})}
     strategy = _strategy(upload="topk(ratio=0.05,index='fixed')+qsgd(bits=4)")
     _fake_clock(monkeypatch, 0.25)
-    _round(strategy, _model(), contexts, 1)
+    _round(strategy, tiny_model(), contexts, 1)
     entry = strategy.rounds[1].links[0]
     seen = entry["download_bytes"]
     assert entry["budget"] == int((3.0 - (seen / 100_000 + 0.1) - 0.25 - 0.25 - 0.1) * 1000)
@@ -139,10 +106,10 @@ def test_late_client_dropped_at_the_deadline_round_lasts_the_deadline(monkeypatc
     # the fake clock makes compute 2 x 5 s = 10 s, and node 2's deadline is 10 s: its budget is
     # already negative (0 B: skipped), and download and upload time make it late
     _fake_clock(monkeypatch, 5.0)
-    contexts = {1: _context(1, **{"uplink-kbps": 8000, "downlink-kbps": 8000, "latency-ms": 1, "byte-cap": 50_000}),
-                2: _context(2, **{"uplink-kbps": 8000, "downlink-kbps": 8000, "latency-ms": 1, "deadline-s": 10.0})}
+    contexts = {1: node_context(1, **{"uplink-kbps": 8000, "downlink-kbps": 8000, "latency-ms": 1, "byte-cap": 50_000}),
+                2: node_context(2, **{"uplink-kbps": 8000, "downlink-kbps": 8000, "latency-ms": 1, "deadline-s": 10.0})}
     strategy = _strategy(budget_fallback="skip")
-    model = _model()
+    model = tiny_model()
     new, _ = _round(strategy, model, contexts, 1)
     stats = strategy.rounds[1]
     status = {c["node"]: c["status"] for c in stats.clients}
@@ -159,7 +126,7 @@ def test_late_client_dropped_at_the_deadline_round_lasts_the_deadline(monkeypatc
 
 def test_server_refuses_a_spec_of_another_family_and_the_round_goes_on(monkeypatch):
     _fake_clock(monkeypatch, 0.001)
-    contexts = {n: _context(n, **{"uplink-kbps": 100, "downlink-kbps": 1000, "latency-ms": 20, "byte-cap": 2000})
+    contexts = {n: node_context(n, **{"uplink-kbps": 100, "downlink-kbps": 1000, "latency-ms": 20, "byte-cap": 2000})
                 for n in (1, 2, 3)}
     strategy = _strategy(link_profile="none")
 
@@ -167,7 +134,7 @@ def test_server_refuses_a_spec_of_another_family_and_the_round_goes_on(monkeypat
         if node == 2:  # claims a codec of another family (same payload bytes)
             reply.content.config_records[P.UPLOAD_RECORD][P.SPEC] = "randomk(ratio=0.1)+kbit(bits=4)"
 
-    model = _model()
+    model = tiny_model()
     new, _ = _round(strategy, model, contexts, 1, tamper=tamper)
     status = {c["node"]: c["status"] for c in strategy.rounds[1].clients}
     assert status[1] == status[3] == "ok"
@@ -178,10 +145,10 @@ def test_server_refuses_a_spec_of_another_family_and_the_round_goes_on(monkeypat
 
 def test_budget_too_small_skip_and_coarsest(monkeypatch):
     _fake_clock(monkeypatch, 0.001)
-    contexts = {1: _context(1, **{"uplink-kbps": 100, "downlink-kbps": 1000, "latency-ms": 20, "byte-cap": 60}),
-                2: _context(2, **{"uplink-kbps": 100, "downlink-kbps": 1000, "latency-ms": 20, "byte-cap": 2000})}
+    contexts = {1: node_context(1, **{"uplink-kbps": 100, "downlink-kbps": 1000, "latency-ms": 20, "byte-cap": 60}),
+                2: node_context(2, **{"uplink-kbps": 100, "downlink-kbps": 1000, "latency-ms": 20, "byte-cap": 2000})}
     strategy = _strategy(budget_fallback="skip")
-    model = _model()
+    model = tiny_model()
     _round(strategy, model, contexts, 1)
     by_node = {e["node"]: e for e in strategy.rounds[1].links}
     assert by_node[1]["status"] == "too-small-skipped"
@@ -191,7 +158,7 @@ def test_budget_too_small_skip_and_coarsest(monkeypatch):
     assert float(residual["w"].abs().sum()) > 0
     assert by_node[2]["status"] == "ok"
 
-    contexts = {1: _context(1, **{"uplink-kbps": 100, "downlink-kbps": 1000, "latency-ms": 20, "byte-cap": 60})}
+    contexts = {1: node_context(1, **{"uplink-kbps": 100, "downlink-kbps": 1000, "latency-ms": 20, "byte-cap": 60})}
     strategy = _strategy(budget_fallback="coarsest")
     _round(strategy, model, contexts, 1)
     entry = strategy.rounds[1].links[0]
@@ -200,21 +167,21 @@ def test_budget_too_small_skip_and_coarsest(monkeypatch):
 
 
 def test_no_link_behaves_as_before():
-    contexts = {n: _context(n, **{"partition-id": n, "num-partitions": 4}) for n in (1, 2)}
+    contexts = {n: node_context(n, **{"partition-id": n, "num-partitions": 4}) for n in (1, 2)}
     strategy = _strategy()  # link_profile 'none'
     seen = []
-    _round(strategy, _model(), contexts, 1,
+    _round(strategy, tiny_model(), contexts, 1,
            tamper=lambda node, reply: seen.append(set(reply.content.config_records[P.UPLOAD_RECORD])))
     assert seen[0] == {P.PAYLOAD, P.ARRAYS_KEY, P.DELTA_REF, P.TIER, P.REF_VERSION, P.REF_CRC, P.WANT_TIER}
     assert strategy.rounds[1].links == [] and strategy.rounds[1].sim_time_s is None
 
 
 def test_download_tier_follows_the_link():
-    assert desired_tier(_context(1, link="3g-edge"), 3, "2000,50000", links.PRESETS["3g-edge"]) == 0
-    assert desired_tier(_context(1), 3, "2000,50000", links.PRESETS["4g"]) == 1
-    assert desired_tier(_context(1), 3, "2000,50000", links.PRESETS["broadband"]) == 2
+    assert desired_tier(node_context(1, link="3g-edge"), 3, "2000,50000", links.PRESETS["3g-edge"]) == 0
+    assert desired_tier(node_context(1), 3, "2000,50000", links.PRESETS["4g"]) == 1
+    assert desired_tier(node_context(1), 3, "2000,50000", links.PRESETS["broadband"]) == 2
     # without thresholds the partition decides, as before
-    assert desired_tier(_context(1, **{"partition-id": 4}), 3, "", links.PRESETS["3g-edge"]) == 1
+    assert desired_tier(node_context(1, **{"partition-id": 4}), 3, "", links.PRESETS["3g-edge"]) == 1
 
 
 @pytest.mark.parametrize("kwargs, match", [

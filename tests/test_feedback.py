@@ -253,3 +253,43 @@ def test_compress_payload_decodes_with_the_update_layout():
     out = codec.decode(enc.payload, fedcomp.Layout.of(u))
     for name in u:
         assert torch.equal(out[name], enc.decoded[name])
+
+
+# -- one add-back: encode (compress), skip (budgeting), re-send (the mod's unacknowledged update) ----
+def test_add_residual_keeps_update_keys_and_ignores_stale_shapes():
+    from fedcomp.base import add_residual
+
+    update = {"a": torch.ones(3), "b": torch.ones(2, 2), "n": torch.tensor([4])}
+    residual = {"a": torch.full((3,), 0.5), "b": torch.ones(4), "gone": torch.ones(1)}
+    out = add_residual(update, residual)
+    assert list(out) == ["a", "b", "n"]
+    assert torch.equal(out["a"], torch.full((3,), 1.5)) and out["b"] is update["b"] and out["n"] is update["n"]
+
+
+def test_add_residual_promote_keeps_the_residual_precision():
+    from fedcomp.base import add_residual
+
+    half = {"h": torch.tensor([1.0, 2.0]).half(), "d": torch.tensor([1.0], dtype=torch.float64)}
+    residual = {"h": torch.tensor([1e-4, 0.0]), "d": torch.tensor([1e-12], dtype=torch.float64)}
+    plain = add_residual(half, residual)
+    kept = add_residual(half, residual, promote=True)
+    assert plain["h"].dtype == torch.float16 and float(plain["h"][0]) == 1.0  # 1e-4 rounds away in fp16
+    assert kept["h"].dtype == torch.float32 and float(kept["h"][0]) == pytest.approx(1.0001)
+    assert kept["d"].dtype == torch.float64 and float(kept["d"][0]) - 1.0 == pytest.approx(1e-12)
+
+
+def test_budget_skip_keeps_float64_residual_unrounded():
+    """A round skipped for its budget keeps update + residual in the residual, float64 included."""
+    from flwr.app import RecordDict
+
+    from fedcomp import links
+    from fedcomp.clients.budgeting import budgeted_upload
+
+    update = {"w": torch.full((64, 64), 1e-9, dtype=torch.float64) + 1.0}
+    residual = {"w": torch.full((64, 64), 1e-12, dtype=torch.float64)}
+    link = links.Link(uplink_kbps=1.0, downlink_kbps=1.0, latency_ms=0.0, byte_cap=40)
+    out = budgeted_upload("topk(ratio=0.01,index='fixed')", update, residual, link=link, download_bytes=0,
+                          compute_s=0.0, build=lambda payload, spec: RecordDict(), nonce=0, round=1, state=None,
+                          error_feedback=True, fallback="skip")
+    assert out.status == "too-small-skipped" and out.residual["w"].dtype == torch.float64
+    assert torch.equal(out.residual["w"], update["w"] + residual["w"])

@@ -37,18 +37,19 @@ class _HypothesisDraw:
 
 
 def test_targets_cover_every_registered_stage_and_policies():
-    used = {stage.name for spec in fuzz.SPECS if ";" not in spec for stage in parse_spec(spec)}
+    used = {stage.name for spec in fuzz.all_specs() if ";" not in spec for stage in parse_spec(spec)}
     assert set(REGISTRY) <= used, f"no fuzz target for {sorted(set(REGISTRY) - used)}"
     assert any(fuzz.is_nested(t) for t in TARGETS.values())
+    assert "mask" in fuzz.model() and fuzz.model()["mask"].dtype == torch.bool  # bool tensors are fuzzed too
 
 
-@pytest.mark.parametrize("spec", fuzz.SPECS)
+@pytest.mark.parametrize("spec", fuzz.all_specs())
 def test_real_payload_decodes(spec):
     target = TARGETS[spec]
     assert fuzz.check(target, target.payload) == "ok"
 
 
-@pytest.mark.parametrize("spec", fuzz.SPECS)
+@pytest.mark.parametrize("spec", fuzz.all_specs())
 @FUZZ
 @given(data=st.data())
 def test_mutated_payloads_raise_only_decode_errors(spec, data):
@@ -58,9 +59,9 @@ def test_mutated_payloads_raise_only_decode_errors(spec, data):
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
-@given(raw=st.binary(max_size=300), which=st.integers(0, len(fuzz.SPECS) - 1))
+@given(raw=st.binary(max_size=300), which=st.integers(0, len(fuzz.all_specs()) - 1))
 def test_random_bytes_raise_only_decode_errors(raw, which):
-    target = TARGETS[fuzz.SPECS[which]]
+    target = TARGETS[fuzz.all_specs()[which]]
     assert fuzz.check(target, raw) == "rejected"
     # the same bytes behind a valid header and CRC reach the body decoder
     framed = fuzz.fix_crc(target.payload[: fuzz.HEADER_BYTES] + raw + bytes(4), fuzz.is_nested(target))
@@ -224,3 +225,172 @@ def test_declared_codec_parameters_are_dropped_or_decoded_never_raise(ratio, bit
         strategy.aggregate_train(1, [reply])
     status = strategy.rounds[1].clients[0]["status"]
     assert status == "ok" or status.startswith("dropped: "), status
+
+
+# -- parser hardening: ASCII digits, a linear tokenizer, layouts parsed fast and fingerprinted once --
+from fedcomp.spec import MAX_SPEC_CHARS, _Scanner  # noqa: E402
+
+
+@pytest.mark.parametrize("text", ["kbit(bits=𝟒)", "topk(ratio=0.０1)", "qsgd(bits=٤)", "kbit(bits=²)"])
+def test_non_ascii_digits_are_refused_by_name(text):
+    with pytest.raises(fedcomp.SpecError, match="digit|cannot parse"):
+        fedcomp.build_codec(text)
+    if text.startswith("kbit(bits=𝟒"):
+        with pytest.raises(fedcomp.SpecError, match="non-ASCII digit '𝟒'.*0-9"):
+            fedcomp.build_codec(text)
+
+
+ADVERSARIAL = {  # inputs that made the old backtracking regular expression quadratic, and friends
+    "digits-then-letter": "1" * 100_000 + "a",
+    "digits": "9" * 100_000,
+    "dots": "1." * 50_000,
+    "signs": "+-" * 50_000,
+    "exponents": "1e" * 50_000,
+    "name": "a" * 100_000,
+    "open-quote": "'" + "a" * 100_000,
+    "spaces": " " * 100_000 + "x",
+    "stages": "topk(ratio=0.01)+" * 5_000 + "none",
+    "parens": "(" * 100_000,
+}
+
+
+@pytest.mark.parametrize("name", ADVERSARIAL)
+def test_tokenizer_is_linear(name):
+    """Counted, not timed: the scanner looks at each character a bounded number of times."""
+    text = ADVERSARIAL[name]
+    scanner = _Scanner(text)
+    try:
+        scanner.tokens()
+    except fedcomp.SpecError:
+        pass
+    assert scanner.steps <= 3 * len(text) + 8, f"{scanner.steps} steps for {len(text)} characters"
+    with pytest.raises(fedcomp.SpecError, match=str(MAX_SPEC_CHARS)):  # and parse_spec refuses it before tokenizing
+        parse_spec(text)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(text=st.text(alphabet=st.sampled_from(list("topk(ratio=0.1)+qsgd,bits4 'e-9x²𝟒.٤_")), max_size=200))
+def test_tokenizer_steps_stay_linear_on_random_text(text):
+    scanner = _Scanner(text)
+    try:
+        tokens = scanner.tokens()
+    except fedcomp.SpecError:
+        tokens = None
+    assert scanner.steps <= 8 * len(text) + 8  # at most a few looks per character, whatever the text
+    if tokens is not None:  # tokens are pieces of the text, in order
+        pos = 0
+        for _, tok in tokens:
+            pos = text.index(tok, pos) + len(tok)
+
+
+def test_layout_fingerprint_is_computed_once_per_layout(monkeypatch):
+    import fedcomp.layout as layout_module
+
+    layout = fedcomp.Layout.from_json(fedcomp.Layout.of(fuzz.model()).to_json())
+    codec = fedcomp.build_codec("topk(ratio=0.1)")
+    payload = codec.encode(fuzz.model()).payload
+    calls = []
+    original = layout_module.hashlib.blake2b
+    monkeypatch.setattr(layout_module.hashlib, "blake2b", lambda *a, **k: calls.append(1) or original(*a, **k))
+    for _ in range(5):
+        codec.decode(payload, layout)
+    assert len(calls) == 1  # the first decode computes it; the layout keeps it
+
+
+def test_large_layout_parses_without_rebuilding_its_json(monkeypatch):
+    """50,000 entries: one json.loads and one json.dumps, whose text is the fingerprint's input."""
+    import json as json_module
+
+    import fedcomp.layout as layout_module
+
+    specs = tuple(fedcomp.TensorSpec(f"layer{i}.weight", (3, i % 7 + 1), "float32") for i in range(50_000))
+    text = fedcomp.Layout(specs).to_json()
+    dumps = []
+    original = json_module.dumps
+    monkeypatch.setattr(layout_module.json, "dumps", lambda *a, **k: dumps.append(1) or original(*a, **k))
+    layout = fedcomp.Layout.from_json(text)
+    assert layout.tensors == specs and layout.to_json() == text
+    layout.fingerprint(), layout.fingerprint(), layout.to_json()
+    assert len(dumps) == 1
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_mutated_layout_descriptions_raise_only_spec_errors(data):
+    text = fedcomp.Layout.of(fuzz.model()).to_json().encode()
+    mutated = fuzz.mutate(text + bytes(4), _HypothesisDraw(data))[:-4].decode("utf-8", "replace")
+    try:
+        layout = fedcomp.Layout.from_json(mutated)
+    except fedcomp.SpecError:
+        return
+    assert fedcomp.Layout.from_json(layout.to_json()) == layout  # what parses, round-trips
+    assert layout.fingerprint() == fedcomp.Layout(layout.tensors).fingerprint()
+
+
+@pytest.mark.parametrize("spec", ["none()", "topk(ratio=0.5)", "kbit(bits=2)", "sketch(rows=2, cols=16)", "powersgd()"])
+def test_bool_tensors_are_exact_and_forged_bool_bytes_refused(spec):
+    codec = fedcomp.build_codec(spec)
+    raw = torch.tensor([1, 0, 2, 255], dtype=torch.uint8).view(torch.bool)  # a bool built by a view holds 2, 255
+    tensors = {"w": torch.randn(4, 4), "mask": raw}
+    layout = fedcomp.Layout.of(tensors)
+    enc = codec.encode(tensors)
+    out = codec.decode(enc.payload, layout)
+    assert out["mask"].view(torch.uint8).tolist() == [1, 0, 1, 1]  # the same bools, as the bytes 0/1
+    forged = bytearray(enc.payload)
+    forged[-5] = 2  # the last bool's byte (before the CRC trailer)
+    with pytest.raises(fedcomp.DecodeError, match="bool"):
+        codec.decode(fuzz.fix_crc(bytes(forged)), layout)
+
+
+# -- the client mod: a hostile or broken broadcast gets an error reply, never an exception -----------
+_VALUES = st.one_of(st.none(), st.integers(-2**40, 2**40), st.floats(allow_nan=True), st.booleans(),
+                    st.text(max_size=20), st.binary(max_size=40), st.lists(st.integers(-3, 3), max_size=3))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(edits=st.lists(st.tuples(st.integers(0, 40), _VALUES), min_size=1, max_size=3), round_=st.integers(1, 2))
+def test_hostile_broadcast_records_get_error_replies(edits, round_):
+    from flwr.app import ArrayRecord, ConfigRecord, Message
+    from flwr.serverapp.strategy import FedAvg
+
+    from conftest import FakeGrid, node_context, shift_trainer, tiny_model
+    from fedcomp import protocol as P
+    from fedcomp.clients.mod import compression_mod
+    from fedcomp.strategies.wrapper import CompressedStrategy
+
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=1, min_train_nodes=1), upload="topk(ratio=0.1)+qsgd(bits=4)")
+    context = node_context(1)
+    model = tiny_model(rows=8, cols=6)
+    for r in range(1, round_ + 1):  # round 2: the node holds a reference, the broadcast is a chain
+        (msg,) = strategy.configure_train(r, ArrayRecord(model), ConfigRecord({}), FakeGrid([1]))
+        if r < round_:
+            strategy.aggregate_train(r, [compression_mod(msg, context, shift_trainer(1, r))])
+    record = msg.content.config_records[P.DOWNLOAD_RECORD]
+    keys = sorted(record)
+    for i, value in edits:
+        key = keys[i % len(keys)]
+        if value is None:
+            del record[key]
+            keys.remove(key)
+        else:
+            try:
+                record[key] = value
+            except (TypeError, ValueError):  # a value a ConfigRecord cannot hold never reaches a client
+                pass
+    raised = []
+
+    def app(m, c):  # a broadcast naming another record makes the app fail, as it should: that is the app's
+        try:
+            return shift_trainer(1, round_)(m, c)
+        except KeyError:
+            raised.append(1)
+            raise
+
+    try:
+        reply = compression_mod(msg, context, app)
+    except KeyError:
+        assert raised, "the mod raised, not the app"
+        return
+    assert isinstance(reply, Message)
+    if reply.has_error():
+        assert reply.error.reason.startswith("fedcomp") or "compression_mod" in reply.error.reason

@@ -1,0 +1,182 @@
+"""The client side on its own: ClientState (one declared class, one load/save), error replies
+whose reasons say how to fix the problem, and the one warning per node for an unwrapped strategy."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.serverapp.strategy import FedAvg
+
+from conftest import FakeGrid, node_context, run_round, shift_trainer, tiny_model
+from fedcomp import protocol as P
+from fedcomp.clients.mod import UNWRAPPED_WARNING, compression_mod
+from fedcomp.clients.state import WARNED_STATE, ClientState
+from fedcomp.strategies.wrapper import CompressedStrategy
+
+UPLOAD = "topk(ratio=0.1)+qsgd(bits=4)"
+
+
+def _strategy(**kwargs):
+    kwargs.setdefault("upload", UPLOAD)
+    return CompressedStrategy(FedAvg(fraction_train=1.0, min_available_nodes=1, min_train_nodes=1), **kwargs)
+
+
+def _message(strategy, model, node=1, server_round=1):
+    (msg,) = strategy.configure_train(server_round, ArrayRecord(model), ConfigRecord({}), FakeGrid([node]))
+    return msg
+
+
+# -- ClientState -----------------------------------------------------------------------------------
+def test_state_of_a_new_node_is_empty_and_saving_it_writes_nothing():
+    context = node_context(1)
+    state = ClientState.load(context)
+    assert state == ClientState() and state.residual is None and state.codec_state == {} and not state.warned_unwrapped
+    state.save(context)
+    assert len(context.state) == 0
+
+
+def test_state_round_trips_through_context_state_under_the_protocol_keys():
+    context = node_context(1)
+    state = ClientState.load(context)
+    state.reference, state.reference_info = {"w": torch.ones(2, 3)}, (1, 7, 12345)
+    state.residual = {"w": torch.full((2, 3), 0.5)}
+    state.last_sent, state.last_round = {"w": torch.zeros(2, 3)}, 7
+    state.pending, state.pending_round = {"w": torch.ones(2, 3)}, 6
+    state.encode_seconds = [0.1, 0.2]
+    state.warned_unwrapped = True
+    state.save(context)
+    assert set(context.state) == {P.REF_STATE, P.REF_INFO_STATE, P.RESIDUAL_STATE, P.LAST_SENT_STATE,
+                                  P.LAST_ROUND_STATE, P.PENDING_STATE, P.PENDING_INFO_STATE, P.ENCODE_STATE,
+                                  WARNED_STATE}
+    assert int(context.state.config_records[P.REF_INFO_STATE][P.REF_VERSION]) == 7  # the keys older versions wrote
+    again = ClientState.load(context)
+    assert again.reference_info == (1, 7, 12345) and again.last_round == 7 and again.pending_round == 6
+    assert torch.equal(again.residual["w"], state.residual["w"]) and again.encode_seconds == [0.1, 0.2]
+    assert again.warned_unwrapped
+    again.residual, again.pending, again.pending_round = None, None, None  # None removes the key
+    again.save(context)
+    assert P.RESIDUAL_STATE not in context.state and P.PENDING_INFO_STATE not in context.state
+    assert P.REF_STATE in context.state  # untouched fields are not rewritten, nor removed
+
+
+def test_half_a_reference_is_no_reference():
+    context = node_context(1)
+    context.state[P.REF_STATE] = ArrayRecord({"w": torch.ones(2)})
+    assert ClientState.load(context).reference is None
+
+
+# -- error replies -----------------------------------------------------------------------------------
+def _error(reply: Message) -> str:
+    assert reply.has_error(), "expected an error reply"
+    assert reply.error.code == ErrorCode.MOD_FAILED_PRECONDITION
+    return reply.error.reason
+
+
+@pytest.mark.parametrize("key, value, says", [
+    (P.LAYOUT, "[[", "same fedcomp version"),
+    (P.UPLOAD_SPEC, "zip()", "same fedcomp version"),
+    (P.TIERS, "three", "malformed"),
+    (P.ROUND, None, "malformed"),  # None: the key is missing
+])
+def test_unreadable_broadcast_gets_an_error_reply(key, value, says):
+    strategy, model = _strategy(), tiny_model()
+    msg = _message(strategy, model)
+    record = msg.content.config_records[P.DOWNLOAD_RECORD]
+    if value is None:
+        del record[key]
+    else:
+        record[key] = value
+    trained = []
+    reply = compression_mod(msg, node_context(1), lambda m, c: trained.append(m))
+    assert says in _error(reply) and not trained  # the app never ran
+
+
+def test_bad_node_config_gets_an_error_reply():
+    model = tiny_model()
+    fresh = lambda: _message(_strategy(download="kbit(bits=8) | none()"), model)  # noqa: E731
+    reason = _error(compression_mod(fresh(), node_context(1, **{"download-tier": 5}), shift_trainer(1, 1)))
+    assert "download-tier=5" in reason and "[0, 1]" in reason
+    reason = _error(compression_mod(fresh(), node_context(1, **{"uplink-kbps": -3}),
+                                    shift_trainer(1, 1)))
+    assert "link" in reason and "uplink-kbps" in reason
+    reason = _error(compression_mod(fresh(), node_context(1, device="gpu7"), shift_trainer(1, 1)))
+    assert "device='gpu7'" in reason and "'cpu'" in reason
+
+
+def test_reply_the_mod_cannot_compress_gets_an_error_reply():
+    model = tiny_model()
+
+    def two_records(msg, context):
+        arrays = msg.content.array_records["arrays"]
+        return Message(RecordDict({"a": arrays, "b": arrays, "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+
+    assert "exactly one ArrayRecord" in _error(compression_mod(_message(_strategy(), model), node_context(1), two_records))
+
+    def other_model(msg, context):
+        return Message(RecordDict({"arrays": ArrayRecord(tiny_model(rows=8)), "metrics": MetricRecord({"num-examples": 1})}),
+                       reply_to=msg)
+
+    assert "layout" in _error(compression_mod(_message(_strategy(), model), node_context(1), other_model))
+
+
+def test_budget_on_a_codec_without_knob_gets_an_error_reply_and_the_server_records_it():
+    strategy, model = _strategy(upload="sign()"), tiny_model()
+    contexts = {1: node_context(1, **{"uplink-kbps": 100, "downlink-kbps": 1000, "latency-ms": 20, "byte-cap": 500}),
+                2: node_context(2)}
+    new, replies, _ = run_round(strategy, model, contexts, 1)
+    reason = _error(next(r for r in replies if r.has_error()))
+    assert "budget knob" in reason
+    statuses = {c["node"]: c["status"] for c in strategy.rounds[1].clients}
+    assert "budget knob" in statuses[1] and statuses[2] == "ok"
+
+
+def test_reference_is_kept_when_the_client_app_raises():
+    strategy, model = _strategy(), tiny_model()
+    context = node_context(1)
+
+    def crash(msg, context):
+        raise ValueError("out of memory")
+
+    with pytest.raises(ValueError):
+        compression_mod(_message(strategy, model), context, crash)
+    assert ClientState.load(context).reference is not None  # the broadcast was applied before the crash
+
+
+# -- an unwrapped strategy: one warning per node -----------------------------------------------------
+@pytest.fixture
+def warnings_seen():
+    seen: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Catch(level=logging.WARNING)
+    logging.getLogger("flwr").addHandler(handler)
+    yield seen
+    logging.getLogger("flwr").removeHandler(handler)
+
+
+def test_unwrapped_train_messages_warn_once_per_node(warnings_seen):
+    plain = FedAvg(fraction_train=1.0, min_available_nodes=1, min_train_nodes=1)
+    contexts = {1: node_context(1), 2: node_context(2)}
+    model = tiny_model()
+    for server_round in (1, 2, 3):
+        messages = plain.configure_train(server_round, ArrayRecord(model), ConfigRecord({}), FakeGrid([1, 2]))
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            reply = compression_mod(msg, contexts[node], shift_trainer(node, server_round))
+            assert "arrays" in reply.content.array_records  # passed through, uncompressed
+    assert warnings_seen.count(UNWRAPPED_WARNING) == 2  # one per node, not one per round
+    assert "CompressedStrategy" in UNWRAPPED_WARNING and all(WARNED_STATE in c.state for c in contexts.values())
+
+
+def test_evaluate_and_wrapped_messages_do_not_warn(warnings_seen):
+    evaluate = Message(RecordDict({"config": ConfigRecord({"a": 1})}), dst_node_id=5, message_type="evaluate")
+    compression_mod(evaluate, node_context(5), lambda m, c: Message(RecordDict({}), reply_to=m))
+    run_round(_strategy(), tiny_model(), {1: node_context(1)}, 1)
+    assert UNWRAPPED_WARNING not in warnings_seen
