@@ -101,6 +101,16 @@ def _chunked_values(values_one, codes: torch.Tensor, params: torch.Tensor, block
     return y
 
 
+def write_values(quantizer: Quantizer, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
+    """Write the code of ``x`` without building the reconstruction, where the quantizer can
+    (its ``write`` method); otherwise through ``encode``. The bytes are the same either way."""
+    write = getattr(quantizer, "write", None)
+    if write is not None:
+        write(x, out, gen)
+    else:
+        quantizer.encode(x, out, gen)
+
+
 def _uniform(shape: torch.Size, gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
     return torch.rand(shape, generator=gen, device=device)
 
