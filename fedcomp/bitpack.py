@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from fedcomp.errors import DecodeError
@@ -28,6 +29,9 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     count = values.numel()
     if count == 0:
         return torch.empty(0, dtype=torch.uint8, device=values.device)
+    if bits == 1 and values.device.type == "cpu":  # numpy's packbits: MSB first, the same bytes
+        v = values if values.dtype in (torch.bool, torch.uint8) else values.to(torch.uint8)
+        return torch.from_numpy(np.packbits(v.contiguous().numpy().view(np.uint8)))
     if 8 % bits == 0:  # 1, 2, 4, 8 bits: several values per byte, no bit matrix
         per = 8 // bits
         v = values.to(torch.uint8)

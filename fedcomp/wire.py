@@ -111,6 +111,8 @@ class Writer:
     def tensor(self, t: torch.Tensor) -> None:
         """Append a tensor's raw little-endian bytes (any dtype); a CPU tensor is not copied here."""
         t = t.detach()
+        if t.numel() == 0:
+            return
         if t.device.type == "cpu" or self._copy_stream is not None:
             self.parts.append(t.contiguous().reshape(-1).view(torch.uint8))
         else:  # a writer for another device than the tensor's: bring it over
