@@ -79,6 +79,15 @@ def unpack_codes(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     return ((data.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
 
 
+def unpack_flags(data: torch.Tensor, count: int) -> torch.Tensor:
+    """1-bit codes as a bool tensor (:func:`unpack_bits` with 1 bit, without int64 codes)."""
+    if data.numel() != packed_bytes(count, 1):
+        raise DecodeError(f"bit stream holds {data.numel()} bytes, {count} flags need {packed_bytes(count, 1)}")
+    if data.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(data.numpy(), count=count).view(np.bool_))
+    return unpack_bits(data, count, 1).bool()
+
+
 def fixed_index_bits(n: int) -> int:
     """Bits per index for plain fixed-width index coding over n positions."""
     return max(1, math.ceil(math.log2(n))) if n > 1 else 1

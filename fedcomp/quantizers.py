@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fedcomp.base import Quantizer, block_size, blocks, register
-from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits, unpack_codes
+from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits, unpack_codes, unpack_flags
 from fedcomp.errors import DecodeError
 from fedcomp.wire import Reader, Writer
 
@@ -337,8 +337,10 @@ class Sign(Quantizer):
         if count == 0:
             return torch.empty(0, device=device)
         scale = src.tensor(blocks(count, self.config.block), torch.float32).to(device)
-        negative = unpack_bits(src.take(packed_bytes(count, 1)).to(device), count, 1).bool()
-        return self._expand(scale, negative, count)
+        negative = unpack_flags(src.take(packed_bytes(count, 1)).to(device), count)
+        # +-scale per block: (1 - 2 negative) * scale is exactly _expand's where(negative, -s, s)
+        y = negative.to(torch.float32).mul_(-2).add_(1)
+        return _per_block_(y, self.config.block, scale)
 
 
 class FixedSign(Quantizer):
