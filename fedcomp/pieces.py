@@ -27,12 +27,9 @@ class Pieces:
 
     def gather(self, pos: torch.Tensor) -> torch.Tensor:
         """Values at global positions ``pos`` (int64, any order)."""
-        which = torch.searchsorted(self._bounds, pos, right=True)
+        order = torch.argsort(pos)
         out = torch.empty(pos.numel(), dtype=torch.float32, device=self.device)
-        for j, p in enumerate(self.parts):
-            sel = torch.nonzero(which == j).reshape(-1)
-            if sel.numel():
-                out[sel] = p[pos[sel] - self.starts[j]]
+        out[order] = self.gather_sorted(pos[order])
         return out
 
     def gather_sorted(self, idx: torch.Tensor) -> torch.Tensor:

@@ -261,6 +261,19 @@ class _HalfFloat(Quantizer):
         out.tensor(y)
         return y.float()
 
+    def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
+        """:meth:`encode`'s bytes: one output tensor, clamped and converted chunk by chunk."""
+        m = x.numel()
+        y = torch.empty(m, dtype=self.dtype, device=x.device)
+        step = _ENCODE_CHUNK // 4
+        buf = torch.empty(min(m, step), dtype=torch.float32, device=x.device) if self.dtype == torch.float16 else None
+        for lo in range(0, m, step):
+            xc = x[lo:lo + step]
+            if buf is not None:
+                xc = torch.clamp(xc, -_FP16_MAX, _FP16_MAX, out=buf[:xc.numel()])
+            y[lo:lo + step].copy_(xc)
+        out.tensor(y)
+
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         return src.tensor(count, self.dtype).to(device).float()
 
@@ -395,12 +408,30 @@ class TwoBit(Quantizer):
         out.tensor(pack_bits(codes, 2))
         return self._values(codes)
 
+    def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
+        """:meth:`encode`'s bytes: code = 2 sent + positive, chunk by chunk into one output."""
+        m, t = x.numel(), self.config.threshold
+        if m == 0:
+            return
+        packed = torch.empty(packed_bytes(m, 2), dtype=torch.uint8, device=x.device)
+        step = _ENCODE_CHUNK // 4  # a multiple of 4 codes: every chunk but the last ends on a byte
+        code = torch.empty(min(m, step), dtype=torch.uint8, device=x.device)
+        pos = torch.empty(min(m, step), dtype=torch.bool, device=x.device)
+        for lo in range(0, m, step):
+            xc = x[lo:lo + step]
+            c, p = code[:xc.numel()], pos[:xc.numel()]
+            torch.ge(xc, t, out=p)
+            torch.le(xc, -t, out=c.view(torch.bool)).logical_or_(p)  # sent
+            c.bitwise_left_shift_(1).bitwise_or_(p.view(torch.uint8))
+            _pack_into(c, 2, packed[lo // 4:lo // 4 + packed_bytes(xc.numel(), 2)])
+        out.tensor(packed)
+
     def _values(self, codes: torch.Tensor) -> torch.Tensor:
         t = self.config.threshold
         return torch.where(codes == 3, t, torch.where(codes == 2, -t, 0.0)).float()
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
-        codes = unpack_bits(src.take(packed_bytes(count, 2)).to(device), count, 2)
+        codes = unpack_codes(src.take(packed_bytes(count, 2)).to(device), count, 2)
         if bool((codes == 1).any()):
             raise DecodeError("twobit payload holds the unused code 01")
         return self._values(codes)
@@ -650,7 +681,7 @@ class TernGrad(Quantizer):
         if count == 0:
             return torch.empty(0, device=device)
         s = src.tensor(1, torch.float32).to(device)[0]
-        codes = unpack_bits(src.take(packed_bytes(count, 2)).to(device), count, 2)
+        codes = unpack_codes(src.take(packed_bytes(count, 2)).to(device), count, 2)
         if bool((codes == 3).any()):
             raise DecodeError("terngrad payload holds the unused code 11")
         return self._values(s, codes)

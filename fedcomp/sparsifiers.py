@@ -80,13 +80,14 @@ def _candidates(x: torch.Tensor | Pieces, thr: float, strict: bool = False) -> t
     buf = mask = None
     for start, part in _flat_parts(x):
         n = part.numel()
-        if part.device.type != "cpu" or n <= _CHUNK:
+        if part.device.type != "cpu":
             mag = part.abs()
             hit = torch.nonzero(mag > thr if strict else mag >= thr).reshape(-1)
             out.append(hit + start if start else hit)
             continue
         if buf is None:
-            buf, mask = np.empty(_CHUNK, np.float32), np.empty(_CHUNK, bool)
+            size = min(_CHUNK, max(p.numel() for _, p in _flat_parts(x)))
+            buf, mask = np.empty(size, np.float32), np.empty(size, bool)
         xn = part.detach().numpy()
         for lo in range(0, n, _CHUNK):
             chunk = xn[lo:lo + _CHUNK]

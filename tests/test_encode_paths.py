@@ -92,11 +92,14 @@ def test_topk_on_tied_values_keeps_the_larger_then_the_lowest_tied_positions():
 
 
 @pytest.mark.parametrize("spec", ["kbit(bits=4)", "kbit(bits=3,stochastic=True)", "kbit(bits=8,block=0)",
-                                  "qsgd(bits=4)", "qsgd(bits=5,bucket=77,norm='l2')", "sign()", "sign(block=100)"])
+                                  "qsgd(bits=4)", "qsgd(bits=5,bucket=77,norm='l2')", "sign()", "sign(block=100)",
+                                  "twobit(threshold=0.5)", "fp16()", "bf16()"])
 @pytest.mark.parametrize("n", [0, 1, 9, 1_100_001])  # past one 1M-element chunk
 def test_quantizer_write_gives_the_bytes_of_encode(spec, n):
     q = fedcomp.build_codec(spec).quantizer
     x = torch.randn(n, generator=_gen(12))
+    if n > 5:
+        x[::7], x[3], x[4] = 0.5, 1e6, -1e6  # on the twobit threshold; beyond fp16's range
     a, b = Writer(), Writer()
     q.encode(x, a, _gen(13))
     q.write(x, b, _gen(13))
