@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from fedcomp.errors import DecodeError
@@ -28,6 +29,9 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     count = values.numel()
     if count == 0:
         return torch.empty(0, dtype=torch.uint8, device=values.device)
+    if bits == 1 and values.device.type == "cpu":  # numpy's packbits: MSB first, the same bytes
+        v = values if values.dtype in (torch.bool, torch.uint8) else values.to(torch.uint8)
+        return torch.from_numpy(np.packbits(v.contiguous().numpy().view(np.uint8)))
     if 8 % bits == 0:  # 1, 2, 4, 8 bits: several values per byte, no bit matrix
         per = 8 // bits
         v = values.to(torch.uint8)
@@ -73,6 +77,15 @@ def unpack_codes(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     per = 8 // bits
     shifts = torch.arange(8 - bits, -1, -bits, device=data.device, dtype=torch.uint8)
     return ((data.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
+
+
+def unpack_flags(data: torch.Tensor, count: int) -> torch.Tensor:
+    """1-bit codes as a bool tensor (:func:`unpack_bits` with 1 bit, without int64 codes)."""
+    if data.numel() != packed_bytes(count, 1):
+        raise DecodeError(f"bit stream holds {data.numel()} bytes, {count} flags need {packed_bytes(count, 1)}")
+    if data.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(data.numpy(), count=count).view(np.bool_))
+    return unpack_bits(data, count, 1).bool()
 
 
 def fixed_index_bits(n: int) -> int:

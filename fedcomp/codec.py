@@ -19,9 +19,11 @@ from fedcomp import sparsifiers as _sparsifiers  # noqa: F401  (registers the se
 from fedcomp import dgc as _dgc  # noqa: F401  (registers Deep Gradient Compression)
 from fedcomp import powersgd as _powersgd  # noqa: F401  (registers the low-rank reducer)
 from fedcomp import sketch as _sketch  # noqa: F401  (registers the count sketch)
-from fedcomp.base import REGISTRY, Quantizer, Reducer, Segment, StageContext
+from fedcomp.base import REGISTRY, Quantizer, Reducer, Segment, Selector, StageContext
 from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.layout import MAX_NUMEL, Layout
+from fedcomp.pieces import Pieces
+from fedcomp.quantizers import write_values
 from fedcomp.spec import parse_spec
 from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, open_payload
 
@@ -36,12 +38,64 @@ def derive_nonce(*parts: int) -> int:
 
 @dataclass(frozen=True)
 class Encoded:
-    """One encoded update: the bytes and what the decoder will reconstruct from them."""
+    """One encoded update: the bytes and what the decoder will reconstruct from them.
+
+    ``decoded`` is built on first access (a :class:`LazyDecoded` from :meth:`Codec.encode`): an
+    encode that only needs the bytes never pays for a dense reconstruction, and error feedback
+    (:func:`fedcomp.compress`) subtracts a sparsifier's kept values from the residual in place.
+    """
 
     payload: bytes
-    decoded: dict[str, torch.Tensor]  # exactly what Codec.decode(payload) returns
+    decoded: Mapping[str, torch.Tensor]  # exactly what Codec.decode(payload) returns
     kept: tuple[int, ...]  # values sent per segment (kept elements, sketch cells, factor entries)
     index_bytes: tuple[int, ...]  # bytes of each segment's side information (positions...)
+
+
+class LazyDecoded(Mapping):
+    """The decoded tensors of an encode, built when first read.
+
+    Sparsifier codecs keep (positions, decoded values) per segment and build a tensor as zeros
+    plus a scatter; other codecs decode their own payload once, on first access. Either way the
+    tensors equal ``Codec.decode(payload)``'s.
+    """
+
+    def __init__(self, layout: Layout, build, sparse, exact: dict[str, torch.Tensor]) -> None:
+        self._layout = layout
+        self._build = build  # () -> dict of every tensor (dense codecs), or None
+        self._sparse = sparse  # name -> (global positions, values, start of the tensor), or None
+        self._cache = dict(exact)  # raw (non-float) tensors, copied at encode time
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._cache.get(name)
+        if t is not None:
+            return t
+        if self._sparse is None:
+            if name not in self._layout.names:
+                raise KeyError(name)
+            self._cache.update(self._build())
+            return self._cache[name]
+        idx, vals, start = self._sparse[name]
+        spec = self._layout.tensors[self._layout.names.index(name)]
+        y = torch.zeros(spec.numel, dtype=torch.float32, device=vals.device)
+        y[idx - start if start else idx] = vals
+        t = self._cache[name] = y.view(spec.shape).to(spec.torch_dtype)
+        return t
+
+    def __iter__(self):
+        return iter(self._layout.names)
+
+    def __len__(self) -> int:
+        return len(self._layout.names)
+
+    def subtract_(self, name: str, target: torch.Tensor) -> torch.Tensor:
+        """``target -= decoded[name]`` in place (target: a float tensor of the tensor's shape)."""
+        if self._sparse is None or name in self._cache:
+            return target.sub_(self[name].to(target.device, target.dtype))
+        idx, vals, start = self._sparse[name]
+        flat = target.view(-1)
+        local = idx - start if start else idx
+        flat[local] = flat[local] - vals.to(target.device, target.dtype)
+        return target
 
 
 class Codec:
@@ -147,29 +201,62 @@ class Codec:
         device = values[0].device if values else torch.device("cpu")
         ctx = StageContext(nonce & _MASK64, round, state)
         out = Writer(device)
-        decoded: list[torch.Tensor | None] = [None] * len(values)
+        sparse = self._sparse_expand
+        kept_values: dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None = {} if sparse else None
         kept, side_bytes = [], []
+        pieces_ok = getattr(self.reducer, "accepts_pieces", False)
         for seg, group in self.segments(layout):
-            x = torch.cat([values[i].detach().reshape(-1).float() for i in group])
+            parts = [values[i].detach().reshape(-1) for i in group]  # views where contiguous
+            parts = [p if p.dtype == torch.float32 else p.float() for p in parts]
+            if len(parts) == 1:
+                x = parts[0]
+            elif pieces_ok:
+                x = Pieces(parts)
+            else:
+                x = torch.cat(parts)
             gen = ctx.generator(seg.index, device)
             if self.reducer is None:
-                y = self.quantizer.encode(x, out, gen)
+                write_values(self.quantizer, x, out, gen)
                 kept.append(seg.numel)
                 side_bytes.append(0)
             else:
                 vals, aux, side = self.reducer.reduce(x, seg, out, ctx)
-                y = self.reducer.expand(self.quantizer.encode(vals, out, gen), aux, seg)
+                if sparse:
+                    y = self.quantizer.encode(vals, out, gen)  # k values: cheap to reconstruct here
+                    self._keep_sparse(aux, y, group, layout, kept_values)
+                else:
+                    write_values(self.quantizer, vals, out, gen)
                 kept.append(vals.numel())
                 side_bytes.append(side)
             out.flush()  # on CUDA: this segment's bytes go to the host while the next one encodes
-            self._split(y, group, layout, decoded)
+        exact = {}
         for i, spec in enumerate(layout.tensors):
             if not spec.is_float:
                 out.tensor(values[i])
-                decoded[i] = values[i].detach().clone()
+                exact[spec.name] = values[i].detach().clone()
         payload = out.getvalue(layout.fingerprint(), self.fingerprint, ctx.nonce)
-        named = {name: t for name, t in zip(layout.names, decoded)}  # type: ignore[misc]
-        return Encoded(payload, named, tuple(kept), tuple(side_bytes))
+        decode = None if sparse else (lambda: self.decode(payload, layout, device, round=round))
+        return Encoded(payload, LazyDecoded(layout, decode, kept_values, exact), tuple(kept), tuple(side_bytes))
+
+    @property
+    def _sparse_expand(self) -> bool:
+        """A selector whose dense form is "decoded values at the kept positions, zero elsewhere"."""
+        return isinstance(self.reducer, Selector) and type(self.reducer).expand is Selector.expand
+
+    @staticmethod
+    def _keep_sparse(idx: torch.Tensor, y: torch.Tensor, group: tuple[int, ...], layout: Layout, into: dict) -> None:
+        """Split a segment's (sorted positions, values) per tensor, positions still segment-global."""
+        if len(group) == 1:
+            into[layout.tensors[group[0]].name] = (idx, y, 0)
+            return
+        starts, offset = [], 0
+        for i in group:
+            starts.append(offset)
+            offset += layout.tensors[i].numel
+        cuts = torch.searchsorted(idx, torch.tensor(starts + [offset], device=idx.device)).tolist()
+        for j, i in enumerate(group):
+            lo, hi = cuts[j], cuts[j + 1]
+            into[layout.tensors[i].name] = (idx[lo:hi], y[lo:hi], starts[j])
 
     @staticmethod
     def _split(y: torch.Tensor, group: tuple[int, ...], layout: Layout, out: list) -> None:

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 
 import torch
 
-from fedcomp.base import StageContext, add_residual
-from fedcomp.codec import Codec, Encoded
+from fedcomp.base import Reducer, StageContext, add_residual
+from fedcomp.codec import Codec, Encoded, LazyDecoded
 
 
 def compress(
@@ -48,16 +48,28 @@ def compress(
         }
     if use_ef and codec.reducer is not None:
         target = codec.reducer.accumulate(update, kept, ctx)  # DGC adds momentum here
+        own = type(codec.reducer).accumulate is Reducer.accumulate  # plain sums: fresh tensors
     else:
         target = add_residual(update, kept)
+        own = True
     encoded = codec.encode(target, nonce=nonce, round=round, state=state)
     if codec.reducer is not None and use_ef:
         codec.reducer.after_encode(target, encoded.decoded, ctx)
     if not use_ef:
         return encoded, {}
+    # e = p - decoded, in place where p is a tensor this call made (update + residual); a
+    # sparsifier's decoded is subtracted at its k positions only (no dense decoded is built)
+    decoded = encoded.decoded
+    subtract = decoded.subtract_ if isinstance(decoded, LazyDecoded) else None
     new_residual = {}
     for name, t in target.items():
-        if t.is_floating_point():
-            dtype = torch.promote_types(t.dtype, torch.float32)  # fp32, or float64 for float64 tensors
-            new_residual[name] = t.to(dtype) - encoded.decoded[name].to(dtype)
+        if not t.is_floating_point():
+            continue
+        dtype = torch.promote_types(t.dtype, torch.float32)  # fp32, or float64 for float64 tensors
+        if subtract is None:
+            new_residual[name] = t.to(dtype) - decoded[name].to(dtype)
+            continue
+        fresh = own and name in kept and t.dtype == dtype and t is not update[name]
+        e = t if fresh else t.to(dtype, copy=True)
+        new_residual[name] = subtract(name, e)
     return encoded, new_residual

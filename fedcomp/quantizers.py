@@ -11,11 +11,52 @@ import torch
 import torch.nn.functional as F
 
 from fedcomp.base import Knob, Quantizer, block_size, blocks, register
-from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits, unpack_codes
+from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits, unpack_codes, unpack_flags
 from fedcomp.errors import DecodeError
 from fedcomp.wire import Reader, Writer
 
 _FP16_MAX = 65504.0
+CODINGS = ("packed", "ans")  # how kbit/qsgd codes travel: fixed width, or entropy coded (fedcomp.entropy)
+
+
+class _EntropyCoded:
+    """Mixin of kbit and qsgd: ``coding="ans"`` re-codes the packed codes with range ANS.
+
+    The canonical spec (hence the codec fingerprint and every payload byte) of ``coding="packed"``
+    is the one from before the option existed."""
+
+    def canonical(self) -> str:
+        text = super().canonical()  # type: ignore[misc]
+        return text.replace(",coding='packed'", "")
+
+    def _code_bits(self) -> int:
+        return self.config.bits  # type: ignore[attr-defined]
+
+    def nbytes(self, count: int) -> int:
+        if self.config.coding == "ans" and count:  # type: ignore[attr-defined]
+            raise ValueError(f"{self.canonical()} codes values to a data-dependent size; use len(payload)")
+        return self._packed_nbytes(count)
+
+    def _ans(self, run, x: torch.Tensor, out: Writer, gen):
+        """Run the packed coder into a scratch writer, then send its codes entropy coded."""
+        from fedcomp.entropy import ans_write
+
+        tmp = Writer(x.device)
+        y = run(x, tmp, gen)
+        if x.numel() == 0:
+            return y
+        params, codes = tmp.parts
+        out.tensor(params)
+        ans_write(unpack_codes(codes, x.numel(), self._code_bits()), self._code_bits(), out)
+        return y
+
+    def _read_codes(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+        bits = self._code_bits()
+        if self.config.coding == "ans":  # type: ignore[attr-defined]
+            from fedcomp.entropy import ans_read
+
+            return ans_read(src, count, bits).to(device)
+        return unpack_codes(src.take(packed_bytes(count, bits)).to(device), count, bits)
 
 
 def _blocked(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -86,6 +127,74 @@ def _chunked_encode(encode_one, x: torch.Tensor, out: Writer, gen, block: int) -
     return y
 
 
+def _chunk_step(m: int, block: int) -> int:
+    """Elements per encode step: whole blocks, a multiple of 8 of them (codes of any width end on a
+    byte boundary), about _ENCODE_CHUNK elements; ``m`` (one step) for block 0 or a small input.
+    The same steps as :func:`_chunked_encode`, so stochastic rounding draws the same numbers."""
+    if block == 0 or m <= _ENCODE_CHUNK:
+        return max(m, 1)
+    size = block_size(m, block)
+    return min(m, max(8, (_ENCODE_CHUNK // size) // 8 * 8) * size)
+
+
+def _pack_into(q: torch.Tensor, bits: int, dst: torch.Tensor) -> None:
+    """pack_bits(q, bits) written into ``dst`` (uint8 codes < 2**bits in q); the same bytes."""
+    if q.dtype == torch.bool:
+        q = q.view(torch.uint8)
+    if bits == 8:
+        dst.copy_(q)
+        return
+    if 8 % bits or q.numel() % (8 // bits) or (bits == 1 and q.device.type == "cpu"):
+        dst.copy_(pack_bits(q, bits))
+        return
+    per = 8 // bits
+    v = q.view(-1, per)
+    torch.bitwise_left_shift(v[:, 0], 8 - bits, out=dst)
+    for j in range(1, per):
+        shift = 8 - bits * (j + 1)
+        dst.bitwise_or_(v[:, j] << shift if shift else v[:, j])
+
+
+class _BlockWriter:
+    """Blockwise quantizer output, written chunk by chunk into two preallocated streams
+    (per-block parameters, then packed codes) with reused chunk-sized scratch buffers."""
+
+    def __init__(self, m: int, block: int, params_per_block: int, bits: int, device: torch.device) -> None:
+        self.m, self.bits = m, bits
+        self.size = block_size(m, block)
+        self.step = _chunk_step(m, block)
+        self.params = torch.empty(blocks(m, block), params_per_block, dtype=torch.float32, device=device)
+        self.codes = torch.empty(packed_bytes(m, bits), dtype=torch.uint8, device=device)
+        step = self.step + (-self.step) % self.size  # room for the padded last block
+        self.f32 = torch.empty(step, dtype=torch.float32, device=device)
+        self.u8 = torch.empty(step, dtype=torch.uint8, device=device)
+
+    def chunks(self):
+        """(start, stop, first block, stop block) of each step."""
+        for start in range(0, self.m, self.step):
+            stop = min(self.m, start + self.step)
+            yield start, stop, start // self.size, -(-stop // self.size)
+
+    def put_codes(self, start: int, q: torch.Tensor) -> None:
+        lo = start * self.bits // 8
+        _pack_into(q, self.bits, self.codes[lo:lo + packed_bytes(q.numel(), self.bits)])
+
+    def write(self, out: Writer) -> None:
+        out.tensor(self.params)
+        out.tensor(self.codes)
+
+
+def _padded_rows(x: torch.Tensor, size: int, fill_first: bool) -> torch.Tensor:
+    """x as (blocks, size); a partial last block is padded (zeros, or its first value)."""
+    pad = (-x.numel()) % size
+    if not pad:
+        return x.view(-1, size)
+    rows = F.pad(x, (0, pad)).view(-1, size)
+    if fill_first:
+        rows[-1, size - pad:] = rows[-1, 0]
+    return rows
+
+
 def _chunked_values(values_one, codes: torch.Tensor, params: torch.Tensor, block: int) -> torch.Tensor:
     """Decoded values of ``codes`` (uint8, one per element) in block-aligned chunks:
     ``values_one(codes chunk, params rows of its blocks) -> fp32 chunk``, written into one output
@@ -99,6 +208,16 @@ def _chunked_values(values_one, codes: torch.Tensor, params: torch.Tensor, block
     for start in range(0, m, step):
         y[start:start + step] = values_one(codes[start:start + step], params[start // size:(start + step) // size + 1])
     return y
+
+
+def write_values(quantizer: Quantizer, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
+    """Write the code of ``x`` without building the reconstruction, where the quantizer can
+    (its ``write`` method); otherwise through ``encode``. The bytes are the same either way."""
+    write = getattr(quantizer, "write", None)
+    if write is not None:
+        write(x, out, gen)
+    else:
+        quantizer.encode(x, out, gen)
 
 
 def _uniform(shape: torch.Size, gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -141,6 +260,19 @@ class _HalfFloat(Quantizer):
         y = x.clamp(-_FP16_MAX, _FP16_MAX).to(self.dtype) if self.dtype == torch.float16 else x.to(self.dtype)
         out.tensor(y)
         return y.float()
+
+    def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
+        """:meth:`encode`'s bytes: one output tensor, clamped and converted chunk by chunk."""
+        m = x.numel()
+        y = torch.empty(m, dtype=self.dtype, device=x.device)
+        step = _ENCODE_CHUNK // 4
+        buf = torch.empty(min(m, step), dtype=torch.float32, device=x.device) if self.dtype == torch.float16 else None
+        for lo in range(0, m, step):
+            xc = x[lo:lo + step]
+            if buf is not None:
+                xc = torch.clamp(xc, -_FP16_MAX, _FP16_MAX, out=buf[:xc.numel()])
+            y[lo:lo + step].copy_(xc)
+        out.tensor(y)
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         return src.tensor(count, self.dtype).to(device).float()
@@ -193,6 +325,23 @@ class Sign(Quantizer):
         out.tensor(pack_bits(negative, 1))
         return self._expand(scale, negative, m)
 
+    def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
+        """:meth:`encode`'s bytes without the reconstruction (chunked |x| sums, no full-size temporary)."""
+        m = x.numel()
+        if m == 0:
+            return
+        w = _BlockWriter(m, self.config.block, 1, 1, x.device)
+        if self.config.block == 0:  # one scale: sum |x| chunk by chunk (the same sum as one call only
+            w.params[0, 0] = _blocked(x, 0).abs().sum(dim=1)[0] / m  # in one call: keep it exact)
+        else:
+            for start, stop, b0, b1 in w.chunks():
+                rows = _padded_rows(x[start:stop], w.size, fill_first=False)
+                mag = torch.abs(rows, out=w.f32[:rows.numel()].view(rows.shape))
+                w.params[b0:b1, 0] = mag.sum(dim=1) / _block_counts(stop - start, w.size, x.device)
+        for start, stop, _, _ in w.chunks():
+            w.put_codes(start, torch.lt(x[start:stop], 0, out=w.u8[:stop - start].view(torch.bool)))
+        w.write(out)
+
     def _expand(self, scale: torch.Tensor, negative: torch.Tensor, m: int) -> torch.Tensor:
         per = scale.repeat_interleave(block_size(m, self.config.block))[:m]
         return torch.where(negative, -per, per)
@@ -201,8 +350,10 @@ class Sign(Quantizer):
         if count == 0:
             return torch.empty(0, device=device)
         scale = src.tensor(blocks(count, self.config.block), torch.float32).to(device)
-        negative = unpack_bits(src.take(packed_bytes(count, 1)).to(device), count, 1).bool()
-        return self._expand(scale, negative, count)
+        negative = unpack_flags(src.take(packed_bytes(count, 1)).to(device), count)
+        # +-scale per block: (1 - 2 negative) * scale is exactly _expand's where(negative, -s, s)
+        y = negative.to(torch.float32).mul_(-2).add_(1)
+        return _per_block_(y, self.config.block, scale)
 
 
 class FixedSign(Quantizer):
@@ -257,19 +408,37 @@ class TwoBit(Quantizer):
         out.tensor(pack_bits(codes, 2))
         return self._values(codes)
 
+    def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
+        """:meth:`encode`'s bytes: code = 2 sent + positive, chunk by chunk into one output."""
+        m, t = x.numel(), self.config.threshold
+        if m == 0:
+            return
+        packed = torch.empty(packed_bytes(m, 2), dtype=torch.uint8, device=x.device)
+        step = _ENCODE_CHUNK // 4  # a multiple of 4 codes: every chunk but the last ends on a byte
+        code = torch.empty(min(m, step), dtype=torch.uint8, device=x.device)
+        pos = torch.empty(min(m, step), dtype=torch.bool, device=x.device)
+        for lo in range(0, m, step):
+            xc = x[lo:lo + step]
+            c, p = code[:xc.numel()], pos[:xc.numel()]
+            torch.ge(xc, t, out=p)
+            torch.le(xc, -t, out=c.view(torch.bool)).logical_or_(p)  # sent
+            c.bitwise_left_shift_(1).bitwise_or_(p.view(torch.uint8))
+            _pack_into(c, 2, packed[lo // 4:lo // 4 + packed_bytes(xc.numel(), 2)])
+        out.tensor(packed)
+
     def _values(self, codes: torch.Tensor) -> torch.Tensor:
         t = self.config.threshold
         return torch.where(codes == 3, t, torch.where(codes == 2, -t, 0.0)).float()
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
-        codes = unpack_bits(src.take(packed_bytes(count, 2)).to(device), count, 2)
+        codes = unpack_codes(src.take(packed_bytes(count, 2)).to(device), count, 2)
         if bool((codes == 1).any()):
             raise DecodeError("twobit payload holds the unused code 01")
         return self._values(codes)
 
 
 @register
-class KBit(Quantizer):
+class KBit(_EntropyCoded, Quantizer):
     """Linear k-bit quantization per block: q = round((x - min) / scale), scale = (max - min) / (2^b - 1).
 
     |error| <= scale / 2 with nearest rounding; < scale and unbiased with stochastic rounding.
@@ -283,8 +452,11 @@ class KBit(Quantizer):
         bits: int = 4  # 1..8 bits per value
         block: int = 256  # elements per (min, scale) pair; 0 = one pair per segment
         stochastic: bool = False  # stochastic rounding: unbiased, twice the worst-case error
+        coding: str = "packed"  # codes: "packed" (bits each) or "ans" (entropy coded: size depends on data)
 
     def validate(self) -> None:
+        if self.config.coding not in CODINGS:
+            self.fail("coding", f"one of {CODINGS}")
         if not 1 <= self.config.bits <= 8:
             self.fail("bits", "an integer from 1 to 8")
         if self.config.block < 0:
@@ -294,11 +466,39 @@ class KBit(Quantizer):
     def unbiased(self) -> bool:  # type: ignore[override]
         return self.config.stochastic
 
-    def nbytes(self, count: int) -> int:
+    def _packed_nbytes(self, count: int) -> int:
         return 8 * blocks(count, self.config.block) + packed_bytes(count, self.config.bits)
 
     def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        if self.config.coding == "ans":
+            return self._ans(lambda v, w, g: _chunked_encode(self._encode_one, v, w, g, self.config.block), x, out, gen)
         return _chunked_encode(self._encode_one, x, out, gen, self.config.block)
+
+    def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
+        """:meth:`encode`'s bytes without the reconstruction, through reused chunk buffers."""
+        if self.config.coding == "ans":
+            self._ans(lambda v, w, g: _chunked_encode(self._encode_one, v, w, g, self.config.block), x, out, gen)
+            return
+        m, levels = x.numel(), (1 << self.config.bits) - 1
+        if m == 0:
+            return
+        w = _BlockWriter(m, self.config.block, 2, self.config.bits, x.device)
+        for start, stop, b0, b1 in w.chunks():
+            rows = _padded_rows(x[start:stop], w.size, fill_first=True)
+            lo, hi = torch.aminmax(rows, dim=1)
+            scale = torch.sub(hi, lo, out=w.params[b0:b1, 1]).div_(levels)
+            w.params[b0:b1, 0] = lo
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            t = w.f32[:rows.numel()].view(rows.shape)
+            torch.sub(rows, lo[:, None], out=t).div_(safe[:, None])
+            if self.config.stochastic:
+                t.add_(_uniform(t.shape, gen, x.device)).floor_()
+            else:
+                t.round_()
+            q = w.u8[:stop - start]
+            q.copy_(t.clamp_(0, levels).view(-1)[:stop - start])
+            w.put_codes(start, q)
+        w.write(out)
 
     def _encode_one(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
         m, block, levels = x.numel(), self.config.block, (1 << self.config.bits) - 1
@@ -328,13 +528,13 @@ class KBit(Quantizer):
         if count == 0:
             return torch.empty(0, device=device)
         params = src.tensor(2 * blocks(count, self.config.block), torch.float32).to(device).view(-1, 2)
-        q = unpack_codes(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
+        q = self._read_codes(src, count, device)
         return _chunked_values(lambda c, p: self._values(c, p[:, 0].contiguous(), p[:, 1].contiguous(), c.numel()),
                                q, params, self.config.block)
 
 
 @register
-class QSGD(Quantizer):
+class QSGD(_EntropyCoded, Quantizer):
     """QSGD (Alistarh et al. 2017): per bucket, ||v|| * sign(v_j) * xi_j with xi_j stochastic over s levels.
 
     ``bits`` counts the sign: s = 2^(bits-1) - 1 levels above zero. Unbiased; elementwise
@@ -357,10 +557,13 @@ class QSGD(Quantizer):
         bits: int = 4  # bits per value including the sign bit (2..8)
         bucket: int = 512  # elements per norm; 0 = one norm per segment
         norm: str = "max"  # bucket scale: "max" (max |v|, contractive) or "l2" (the paper's ||v||_2)
+        coding: str = "packed"  # codes: "packed" (bits each) or "ans" (entropy coded: size depends on data)
 
     def validate(self) -> None:
         if self.config.norm not in ("max", "l2"):
             self.fail("norm", "'max' or 'l2'")
+        if self.config.coding not in CODINGS:
+            self.fail("coding", f"one of {CODINGS}")
         if not 2 <= self.config.bits <= 8:
             self.fail("bits", "an integer from 2 to 8 (sign bit included)")
         if self.config.bucket < 0:
@@ -370,11 +573,40 @@ class QSGD(Quantizer):
     def levels(self) -> int:
         return (1 << (self.config.bits - 1)) - 1
 
-    def nbytes(self, count: int) -> int:
+    def _packed_nbytes(self, count: int) -> int:
         return 4 * blocks(count, self.config.bucket) + packed_bytes(count, self.config.bits)
 
     def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        if self.config.coding == "ans":
+            return self._ans(lambda v, w, g: _chunked_encode(self._encode_one, v, w, g, self.config.bucket), x, out, gen)
         return _chunked_encode(self._encode_one, x, out, gen, self.config.bucket)
+
+    def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
+        """:meth:`encode`'s bytes without the reconstruction, through reused chunk buffers."""
+        if self.config.coding == "ans":
+            self._ans(lambda v, w, g: _chunked_encode(self._encode_one, v, w, g, self.config.bucket), x, out, gen)
+            return
+        m, s, bits = x.numel(), self.levels, self.config.bits
+        if m == 0:
+            return
+        w = _BlockWriter(m, self.config.bucket, 1, bits, x.device)
+        for start, stop, b0, b1 in w.chunks():
+            xc = x[start:stop]
+            rows = _padded_rows(xc, w.size, fill_first=False)
+            mag = torch.abs(rows, out=w.f32[:rows.numel()].view(rows.shape))
+            if self.config.norm == "max":
+                norm = torch.amax(mag, dim=1)
+            else:
+                norm = torch.linalg.vector_norm(rows, dim=1)
+            w.params[b0:b1, 0] = norm
+            safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+            ratio = mag.mul_(s).div_(safe[:, None]).view(-1)[:stop - start]
+            ratio.add_(_uniform(ratio.shape, gen, x.device)).floor_().clamp_(0, s)
+            code = w.u8[:stop - start]
+            code.copy_(ratio)
+            code.bitwise_or_(torch.lt(xc, 0).view(torch.uint8) << (bits - 1))
+            w.put_codes(start, code)
+        w.write(out)
 
     def _encode_one(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
         m, s = x.numel(), self.levels
@@ -400,7 +632,7 @@ class QSGD(Quantizer):
         if count == 0:
             return torch.empty(0, device=device)
         norm = src.tensor(blocks(count, self.config.bucket), torch.float32).to(device)
-        codes = unpack_codes(src.take(packed_bytes(count, self.config.bits)).to(device), count, self.config.bits)
+        codes = self._read_codes(src, count, device)
         top = self.config.bits - 1
         return _chunked_values(lambda c, nrm: self._values(nrm, c & ((1 << top) - 1), c >> top, c.numel()),
                                codes, norm, self.config.bucket)
@@ -451,7 +683,7 @@ class TernGrad(Quantizer):
         if count == 0:
             return torch.empty(0, device=device)
         s = src.tensor(1, torch.float32).to(device)[0]
-        codes = unpack_bits(src.take(packed_bytes(count, 2)).to(device), count, 2)
+        codes = unpack_codes(src.take(packed_bytes(count, 2)).to(device), count, 2)
         if bool((codes == 3).any()):
             raise DecodeError("terngrad payload holds the unused code 11")
         return self._values(s, codes)

@@ -29,6 +29,7 @@ from fedcomp.bitpack import (
     unpack_bits,
 )
 from fedcomp.errors import DecodeError
+from fedcomp.pieces import Pieces
 from fedcomp.quantizers import FixedSign, Sign
 from fedcomp.wire import Reader, Writer
 
@@ -58,36 +59,70 @@ def exact_topk(mag: torch.Tensor, k: int) -> torch.Tensor:
 _TOPK_RANK = 64  # the sample is sized so that the k-th largest |x| sits about this far down it
 _TOPK_MARGIN = 5.0  # the cut is taken that many standard deviations further down (P(miss) ~ 3e-7)
 _SAMPLE_RUN = 16  # sampled positions come in aligned runs of 16 (one 64-byte cache line of fp32)
-_CHUNK = 1 << 20  # elements scanned per step (4 MB): the chunk's temporaries stay in cache
+_CHUNK = 1 << 18  # elements scanned per step (1 MB): the chunk's temporaries stay in cache
+_TIED = 64  # more than this many times k candidates: the cut sits on a tie (or a badly off sample)
 
 
-def _candidates(x: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
-    """Sorted positions with |x| >= thr in one read pass over x.
+def _flat_parts(x: torch.Tensor | Pieces) -> list[tuple[int, torch.Tensor]]:
+    return [(0, x)] if isinstance(x, torch.Tensor) else list(zip(x.starts, x.parts))
+
+
+def _candidates(x: torch.Tensor | Pieces, thr: float, strict: bool = False) -> torch.Tensor:
+    """Sorted positions with |x| >= thr (|x| > thr if ``strict``) in one read pass over x.
 
     On the CPU the scan runs in numpy over cache-sized chunks with reused buffers: torch's
     per-op overhead and ``nonzero`` cost 5-10 read passes there, and a full-size ``x.abs()``
     pays a page fault per 4 kB of fresh memory. Elsewhere (GPU) it is one fused-enough torch pass.
     """
-    n = x.numel()
-    if x.device.type != "cpu" or n <= _CHUNK:
-        return torch.nonzero(x.abs() >= thr).reshape(-1)
-    xn = x.detach().contiguous().numpy()
-    t = np.float32(float(thr))
-    buf, mask, parts = np.empty(_CHUNK, np.float32), np.empty(_CHUNK, bool), []
-    for start in range(0, n, _CHUNK):
-        chunk = xn[start:start + _CHUNK]
-        b, mk = buf[:chunk.size], mask[:chunk.size]
-        np.abs(chunk, out=b)
-        np.greater_equal(b, t, out=mk)
-        hit = np.flatnonzero(mk)
-        if hit.size:
-            parts.append(hit + start)
-    return torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.int64)
+    out = []
+    cmp = np.greater if strict else np.greater_equal
+    t = np.float32(thr)
+    buf = mask = None
+    for start, part in _flat_parts(x):
+        n = part.numel()
+        if part.device.type != "cpu":
+            mag = part.abs()
+            hit = torch.nonzero(mag > thr if strict else mag >= thr).reshape(-1)
+            out.append(hit + start if start else hit)
+            continue
+        if buf is None:
+            size = min(_CHUNK, max(p.numel() for _, p in _flat_parts(x)))
+            buf, mask = np.empty(size, np.float32), np.empty(size, bool)
+        xn = part.detach().numpy()
+        for lo in range(0, n, _CHUNK):
+            chunk = xn[lo:lo + _CHUNK]
+            b, mk = buf[:chunk.size], mask[:chunk.size]
+            np.abs(chunk, out=b)
+            cmp(b, t, out=mk)
+            hit = np.flatnonzero(mk)
+            if hit.size:
+                out.append(torch.from_numpy(hit + (start + lo)))
+    if not out:
+        return torch.empty(0, dtype=torch.int64, device=x.device)
+    return torch.cat(out) if len(out) > 1 else out[0]
 
 
-def exact_topk_sampled(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+def _first_zeros(x: torch.Tensor | Pieces, nonzero: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` lowest positions where |x| is not > 0, given the sorted positions ``nonzero``
+    of the others: all lie below count + len(nonzero)."""
+    span = torch.arange(count + nonzero.numel(), device=nonzero.device)
+    free = torch.ones(span.numel(), dtype=torch.bool, device=nonzero.device)
+    free[nonzero[nonzero < span.numel()]] = False
+    return span[free][:count]
+
+
+def _gather(x: torch.Tensor | Pieces, idx: torch.Tensor) -> torch.Tensor:
+    return x[idx] if isinstance(x, torch.Tensor) else x.gather_sorted(idx)
+
+
+def _full(x: torch.Tensor | Pieces) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else x.cat()
+
+
+def exact_topk_sampled(x: torch.Tensor | Pieces, k: int, gen: torch.Generator) -> torch.Tensor:
     """Sorted positions of the k largest |x|: the same set as :func:`exact_topk` (up to ties),
-    found without a partial selection over all of x.
+    found without a partial selection over all of x. ``x``: a flat tensor, or :class:`Pieces`
+    (several tensors seen as one, scanned in place).
 
     1. Sample m = ceil(64 n / k) positions in aligned runs of 16 (at least SAMPLE_MIN = 1,024; if
        m >= n / 4 the sample would not pay: exact top-k).
@@ -96,23 +131,40 @@ def exact_topk_sampled(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.T
     3. Candidates: every position with |x| >= cut, in one chunked pass over x.
     4. At least k candidates: the top k among them (exactly the top k of x, since every other
        element is below the cut). Fewer: exact top-k of the whole vector.
+
+    Ties stay fast: a cut of 0 (an update that is mostly zeros) takes the nonzero elements as
+    candidates; a cut on a tie (more than 64k candidates) keeps every candidate above it. Where
+    fewer than k elements are strictly larger than the tied value, the tie is broken towards the
+    lowest positions (zeros included), the same on every device.
     """
     n = x.numel()
     m = max(SAMPLE_MIN, math.ceil(_TOPK_RANK * n / max(k, 1)))
     if k <= 0 or 4 * m >= n:
-        return exact_topk(x.abs(), k)
+        return exact_topk(_full(x).abs(), k)
     runs = m // _SAMPLE_RUN
     starts = torch.randint(n // _SAMPLE_RUN, (runs,), generator=gen) * _SAMPLE_RUN
     pos = (starts[:, None] + torch.arange(_SAMPLE_RUN)).reshape(-1).to(x.device)
-    sample = x[pos].abs()
+    sample = (x[pos] if isinstance(x, torch.Tensor) else x.gather(pos)).abs()
     r = min(sample.numel(), math.ceil(k * sample.numel() / n + _TOPK_MARGIN * math.sqrt(_TOPK_RANK)) + 1)
-    thr = torch.topk(sample, r, sorted=False).values.min()
-    idx = _candidates(x, thr)
-    if idx.numel() < k:
-        return exact_topk(x.abs(), k)
+    thr = float(torch.topk(sample, r, sorted=False).values.min())
+    if thr == 0:  # most of x is zero: the nonzero elements, then the lowest zero positions
+        idx = _candidates(x, 0.0, strict=True)
+        if idx.numel() < k:
+            return torch.cat([idx, _first_zeros(x, idx, k - idx.numel())]).sort().values
+    else:
+        idx = _candidates(x, thr)
+        if idx.numel() < k:
+            return exact_topk(_full(x).abs(), k)
     if idx.numel() == k:
         return idx
-    return idx[torch.topk(x[idx].abs(), k, sorted=False).indices].sort().values
+    mag = _gather(x, idx).abs()
+    if idx.numel() > _TIED * k and thr > 0:  # the cut sits on a tie: what is above it, then the tie
+        above = mag > thr
+        a = int(above.sum())
+        if a < k:
+            tied = idx[~above][: k - a]
+            return torch.cat([idx[above], tied]).sort().values
+    return idx[torch.topk(mag, k, sorted=False).indices].sort().values
 
 
 def nonzero_topk(mag: torch.Tensor, k: int) -> torch.Tensor:
@@ -242,6 +294,7 @@ class TopK(_CodedIndices):
     """Keep the k = ceil(ratio * n) largest |x| of each segment."""
 
     name = "topk"
+    accepts_pieces = True  # a global segment over several tensors is scanned in place (no concatenation)
 
     @dataclass(frozen=True)
     class Config:
@@ -257,8 +310,12 @@ class TopK(_CodedIndices):
     def count(self, seg: Segment) -> int | None:
         return _kept(self.config.ratio, seg.numel)
 
-    def select(self, x: torch.Tensor, ctx: StageContext, seg: Segment) -> torch.Tensor:
+    def select(self, x: torch.Tensor | Pieces, ctx: StageContext, seg: Segment) -> torch.Tensor:
         return exact_topk_sampled(x, _kept(self.config.ratio, x.numel()), sample_generator(ctx, seg))
+
+    def reduce(self, x, seg, out, ctx):
+        idx = self.select(x, ctx, seg)
+        return _gather(x, idx), idx, self.write_indices(idx, seg.numel, out)
 
 
 @register

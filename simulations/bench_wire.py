@@ -33,6 +33,7 @@ CODECS = (
     "topk(ratio={r})",
     "topk(ratio={r},index='fixed')",
     "topk(ratio={r})+qsgd(bits=4)",
+    "topk(ratio={r})+qsgd(bits=4,coding='ans')",
     "topk(ratio={r})+qsgd(bits=2)",
     "topk(ratio={r})+kbit(bits=4)",
     "topk(ratio={r})+sign()",
@@ -85,9 +86,16 @@ def measure(spec: str, x: torch.Tensor) -> dict:
         "payload_bits_per_kept": 8 * len(enc.payload) / k if k else 0.0,
         "symbol_entropy_bits": None,
     }
-    sym = _symbols(codec, enc.payload, k)
+    if getattr(codec.quantizer.config, "coding", "packed") == "ans":  # the symbols of the packed twin
+        twin = fedcomp.build_codec(spec.replace(",coding='ans'", ""))
+        sym = _symbols(twin, twin.encode(tensors, nonce=3, round=1).payload, k)
+    else:
+        sym = _symbols(codec, enc.payload, k)
     if sym is not None:
         row["symbol_entropy_bits"] = entropy_bits(sym)
+        # the information limit of the whole message: positions (log2 C(n, k)) + values (entropy)
+        bound = log2_binomial(n, k) + k * row["symbol_entropy_bits"] if 0 < k < n else k * row["symbol_entropy_bits"]
+        row["message_over_bound"] = 8 * len(enc.payload) / bound - 1 if bound else None
     if row["index_bound_bits"] and codec.reducer is not None and side:
         row["index_over_bound"] = row["index_bits_per_kept"] / row["index_bound_bits"] - 1
     return row
@@ -103,7 +111,7 @@ def main(argv=None) -> None:
     rows = []
     print(f"n = {args.n:,} fp32 elements ({4 * args.n:,} B dense)")
     print(f"{'codec':42s} {'bytes':>9s} {'kept':>7s} {'idx b/kept':>10s} {'bound':>7s} {'over':>6s} "
-          f"{'val b/kept':>10s} {'entropy':>8s} {'all b/kept':>10s}")
+          f"{'val b/kept':>10s} {'entropy':>8s} {'all b/kept':>10s} {'msg/bound':>9s}")
     specs = [s.format(r=r) for r in args.ratios for s in CODECS] + list(DENSE)
     for spec in specs:
         row = measure(spec, x)
@@ -111,8 +119,9 @@ def main(argv=None) -> None:
         over = f"{100 * row['index_over_bound']:5.1f}%" if "index_over_bound" in row else "     -"
         ent = f"{row['symbol_entropy_bits']:8.2f}" if row["symbol_entropy_bits"] is not None else "       -"
         bound = f"{row['index_bound_bits']:7.2f}" if row["index_bound_bits"] else "      -"
+        ratio = "        -" if row.get("message_over_bound") is None else f"{1 + row['message_over_bound']:8.3f}x"
         print(f"{spec:42s} {row['payload_bytes']:9,d} {row['kept']:7d} {row['index_bits_per_kept']:10.2f} {bound} {over} "
-              f"{row['value_bits_per_kept']:10.2f} {ent} {row['payload_bits_per_kept']:10.2f}", flush=True)
+              f"{row['value_bits_per_kept']:10.2f} {ent} {row['payload_bits_per_kept']:10.2f} {ratio}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
