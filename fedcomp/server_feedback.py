@@ -6,7 +6,7 @@ finally sent, and most of it never is. FetchSGD (Rothchild et al. 2020) moves er
 to the server, which sees every round: clients are stateless and upload a *linear* compression of
 their update (a count sketch), the server sums the tables, and per segment::
 
-    S   = sum_i w_i * D_q(c_i)          (tables, dequantized: summing commutes with the sketch)
+    S   = sum_i w_i D_q(c_i) / sum_i w_i  (tables, dequantized: summing commutes with the sketch)
     S_u <- rho * S_u + S                 (momentum, in sketch space)
     S_e <- S_e + S_u                     (error accumulation, in sketch space)
     delta = top-k(unsketch(S_e))         (heavy hitters: the coordinates applied this round)
@@ -68,14 +68,15 @@ class ServerFeedback:
         self._velocity: list[torch.Tensor] | None = None  # S_u
         self._error: list[torch.Tensor] | None = None  # S_e
         self.count = 0  # uploads added this round
+        self.weight = 0.0  # their total weight
 
     @property
     def nbytes(self) -> int:
         """Server memory between rounds: momentum and error tables."""
         return sum(2 * 4 * self.codec.reducer.count(seg) for seg, _ in self._segments)
 
-    def add(self, payload: bytes, weight: float, *, round: int = 0) -> None:
-        """Add one client's upload, weighted (e.g. its share of the round's examples).
+    def add(self, payload: bytes, weight: float = 1.0) -> None:
+        """Add one client's upload with its weight (e.g. its number of examples), as it arrives.
 
         Raises DecodeError for a malformed payload and FedcompError for non-finite values or a
         non-finite or negative weight; nothing is added then.
@@ -90,10 +91,11 @@ class ServerFeedback:
         for acc, v in zip(self._sum, values):
             acc.add_(v, alpha=float(weight))
         self.count += 1
+        self.weight += float(weight)
 
     def step(self) -> dict[str, torch.Tensor]:
-        """The update to apply this round (dense tensors, zero where nothing is applied);
-        integer tensors get zeros. Resets the round's sum."""
+        """The update to apply this round (dense tensors, zero where nothing is applied) from the
+        weighted mean of the round's tables; integer tensors get zeros. Resets the round's sum."""
         reducer = self.codec.reducer
         out = {t.name: torch.zeros(t.shape, dtype=t.torch_dtype) for t in self.layout.tensors}
         if self._error is None:
@@ -102,7 +104,10 @@ class ServerFeedback:
             self._velocity = [torch.zeros_like(s) for s in self._sum]
             self._error = [torch.zeros_like(s) for s in self._sum]
         # a round without uploads still applies what the error and momentum hold
-        sums = self._sum if self._sum is not None else [torch.zeros_like(e) for e in self._error]
+        if self._sum is not None and self.weight > 0:
+            sums = [s / self.weight for s in self._sum]
+        else:
+            sums = [torch.zeros_like(e) for e in self._error]
         for j, ((seg, group), s_j) in enumerate(zip(self._segments, sums)):
             self._velocity[j].mul_(self.momentum).add_(s_j)
             self._error[j].add_(self._velocity[j])
@@ -116,7 +121,7 @@ class ServerFeedback:
                 out[spec.name] = delta[offset:offset + spec.numel].view(spec.shape).to(spec.torch_dtype)
                 offset += spec.numel
         self._sum = None
-        self.count = 0
+        self.count, self.weight = 0, 0.0
         return out
 
 

@@ -93,6 +93,7 @@ class Regime:
 REGIMES = {
     "cross-device": Regime("cross-device", 100, 10),
     "cross-silo": Regime("cross-silo", 10, 10),
+    "silo-half": Regime("silo-half", 10, 5),  # the fraction-train=0.5 row: where does client EF stop holding?
 }
 
 
@@ -234,7 +235,7 @@ def run(scheme: Scheme, regime: Regime, seed: int = 0) -> Result:
         if scheme.mode == "fetchsgd":
             try:
                 for p, w in zip(updates, weights):
-                    sfb.add(p, w / total, round=rnd)
+                    sfb.add(p, w)
             except fedcomp.DecodeError:  # a client trained from a non-finite model: the run diverged
                 curve.append(float("nan"))
                 G = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in G.items()}

@@ -29,12 +29,24 @@ def test_recovers_a_sparse_sum_exactly_with_an_unquantized_sketch():
     layout = fedcomp.Layout.of(_model())
     fb = ServerFeedback(codec, layout)
     u = _sparse(10)
-    for _ in range(2):  # two clients with the same sparse update, half weight each
-        fb.add(codec.encode(u).payload, 0.5)
+    for w in (10, 30):  # two clients with the same sparse update: the weighted mean is that update
+        fb.add(codec.encode(u).payload, w)
     step = fb.step()
     assert torch.allclose(step["w"], u["w"], atol=1e-5)
     assert torch.equal(step["b"], torch.zeros(50))
     assert step["steps"].dtype == torch.int64 and int(step["steps"]) == 0
+
+
+def test_step_is_the_weighted_mean_of_the_round():
+    codec = fedcomp.build_codec("sketch(rows=5,cols=600,ratio=0.01)")
+    layout = fedcomp.Layout.of(_model())
+    fb = ServerFeedback(codec, layout)
+    a, b = _sparse(6, seed=4), _sparse(6, seed=5)
+    fb.add(codec.encode(a).payload, 1)
+    fb.add(codec.encode(b).payload, 3)
+    assert fb.count == 2 and fb.weight == 4
+    assert torch.allclose(fb.step()["w"], (a["w"] + 3 * b["w"]) / 4, atol=1e-5)
+    assert fb.count == 0 and fb.weight == 0
 
 
 def test_what_a_round_leaves_out_is_applied_later():
