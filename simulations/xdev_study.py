@@ -291,6 +291,7 @@ def _residual_policy(policy: str, e, u, missed: int):
 
 TOPKQ = "topk(ratio=0.01)+qsgd(bits=4)"
 SK16 = "sketch(rows=1,cols=16000,ratio=0.01)+qsgd(bits=4)"
+SK16_K2 = "sketch(rows=1,cols=16000,ratio=0.02)+qsgd(bits=4)"
 DOWN = "topk(ratio=0.01)+kbit(bits=4)"
 
 SCHEMES = [
@@ -326,6 +327,13 @@ SCHEMES = [
     Scheme("fetchsgd-c16000-q4+down-seeded-k0.005", SK16, mode="fetchsgd", download="topk(ratio=0.005)+kbit(bits=4)",
            download_mode="seeded"),
     Scheme("topk-clientEF+down-seeded", TOPKQ, download=DOWN, download_mode="seeded"),
+    Scheme("fetchsgd-k0.02+down-seeded", SK16_K2, mode="fetchsgd", download=DOWN, download_mode="seeded"),
+    Scheme("fetchsgd-k0.02+down-seeded-kbit8", SK16_K2, mode="fetchsgd", download="topk(ratio=0.01)+kbit(bits=8)",
+           download_mode="seeded"),
+    Scheme("fetchsgd-c16000-q4+down-seeded-kbit8", SK16, mode="fetchsgd", download="topk(ratio=0.01)+kbit(bits=8)",
+           download_mode="seeded"),
+    Scheme("fetchsgd-c16000-q4+down-seeded-k0.015", SK16, mode="fetchsgd", download="topk(ratio=0.015)+kbit(bits=4)",
+           download_mode="seeded"),
 ]
 
 
