@@ -96,11 +96,28 @@ class ServerFeedback:
     def step(self) -> dict[str, torch.Tensor]:
         """The update to apply this round (dense tensors, zero where nothing is applied) from the
         weighted mean of the round's tables; integer tensors get zeros. Resets the round's sum."""
+        return self._step(None, 0, 0)[0]
+
+    def step_broadcast(self, broadcast: Codec, *, nonce: int = 0, round: int = 0) -> tuple[dict[str, torch.Tensor], bytes]:
+        """The update to apply, already compressed for the download, and its payload.
+
+        The heavy hitters are encoded with ``broadcast`` (e.g. ``topk(ratio=...)+kbit(bits=4)``
+        with the same ratio as the sketch's), the server applies exactly what the payload decodes
+        to, and what the broadcast codec dropped goes back into the error table (sketches are
+        linear). The global model then moves only by broadcast payloads: clients that replay
+        them from the seeded round-0 model hold the server's model itself, with no download
+        error-feedback loop lagging behind it.
+        """
+        out, payload = self._step(broadcast, nonce, round)
+        assert payload is not None
+        return out, payload
+
+    def _step(self, broadcast: Codec | None, nonce: int, round: int) -> tuple[dict[str, torch.Tensor], bytes | None]:
         reducer = self.codec.reducer
         out = {t.name: torch.zeros(t.shape, dtype=t.torch_dtype) for t in self.layout.tensors}
         if self._error is None:
-            if self._sum is None:
-                return out  # no upload ever: nothing to apply
+            if self._sum is None:  # no upload ever: nothing to apply
+                return out, (broadcast.encode(out, nonce=nonce, round=round).payload if broadcast else None)
             self._velocity = [torch.zeros_like(s) for s in self._sum]
             self._error = [torch.zeros_like(s) for s in self._sum]
         # a round without uploads still applies what the error and momentum hold
@@ -122,7 +139,15 @@ class ServerFeedback:
                 offset += spec.numel
         self._sum = None
         self.count, self.weight = 0, 0.0
-        return out
+        if broadcast is None:
+            return out, None
+        encoded = broadcast.encode(out, nonce=nonce, round=round)
+        sent = broadcast.decode(encoded.payload, self.layout, round=round)
+        for j, (seg, group) in enumerate(self._segments):  # the broadcast's loss stays in the error
+            dropped = torch.cat([(out[self.layout.tensors[i].name] - sent[self.layout.tensors[i].name]).reshape(-1).float()
+                                 for i in group])
+            self._error[j].add_(reducer.sketch(dropped))
+        return sent, encoded.payload
 
 
 @dataclass(frozen=True)

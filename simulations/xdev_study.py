@@ -169,7 +169,15 @@ def run(scheme: Scheme, regime: Regime, seed: int = 0) -> Result:
     for rnd in range(1, regime.rounds + 1):
         chosen = sorted(rng.choice(regime.clients, size=regime.per_round, replace=False).tolist())
         # -- download: move R towards G once per round, send each participant what it needs
-        if scheme.download_mode == "dense":
+        if scheme.download_mode == "coupled":  # G moves only by broadcast payloads: clients hold G
+            start = G
+            for i in chosen:
+                plan = plan_download(held.get(i, 0), history, rnd - 1, dense_payload - MESSAGE_OVERHEAD,
+                                     overhead=MESSAGE_OVERHEAD)
+                down += plan.nbytes
+                modes[plan.mode] += 1
+                held[i] = rnd - 1
+        elif scheme.download_mode == "dense":
             start = G
             for i in chosen:
                 down += dense_payload
@@ -240,8 +248,13 @@ def run(scheme: Scheme, regime: Regime, seed: int = 0) -> Result:
                 curve.append(float("nan"))
                 G = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in G.items()}
                 break
-            step = sfb.step()
-            G = _add(G, step, scheme.server_lr)
+            if scheme.download_mode == "coupled":
+                step, payload = sfb.step_broadcast(down_codec, nonce=fedcomp.derive_nonce(seed, rnd, -1), round=rnd)
+                history.append(len(payload))
+                R = G = _add(G, step)
+            else:
+                step = sfb.step()
+                G = _add(G, step, scheme.server_lr)
         else:
             mean = {k: sum(w * u[k] for u, w in zip(updates, weights)) / total for k in G}
             if scheme.server_momentum:
@@ -260,7 +273,9 @@ def run(scheme: Scheme, regime: Regime, seed: int = 0) -> Result:
     model.load_state_dict(R)
     acc_r = task.evaluate(model, x_test, y_test, "cpu")[1] if scheme.download_mode != "dense" else acc
     server_mem = nbytes_model  # G
-    if scheme.download_mode != "dense":
+    if scheme.download_mode == "coupled":
+        server_mem += sum(history)  # the step payloads (R is G)
+    elif scheme.download_mode != "dense":
         server_mem += nbytes_model + sum(history)  # R and the tier's step payloads
     if scheme.server_momentum and scheme.mode != "fetchsgd":
         server_mem += nbytes_model
@@ -327,6 +342,9 @@ SCHEMES = [
     Scheme("fetchsgd-c16000-q4+down-seeded-k0.005", SK16, mode="fetchsgd", download="topk(ratio=0.005)+kbit(bits=4)",
            download_mode="seeded"),
     Scheme("topk-clientEF+down-seeded", TOPKQ, download=DOWN, download_mode="seeded"),
+    Scheme("fetchsgd-c16000-q4+coupled", SK16, mode="fetchsgd", download=DOWN, download_mode="coupled"),
+    Scheme("fetchsgd-k0.02+coupled-k0.02", SK16_K2, mode="fetchsgd", download="topk(ratio=0.02)+kbit(bits=4)",
+           download_mode="coupled"),
     Scheme("fetchsgd-k0.02+down-seeded", SK16_K2, mode="fetchsgd", download=DOWN, download_mode="seeded"),
     Scheme("fetchsgd-k0.02+down-seeded-kbit8", SK16_K2, mode="fetchsgd", download="topk(ratio=0.01)+kbit(bits=8)",
            download_mode="seeded"),

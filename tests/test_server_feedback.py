@@ -151,3 +151,28 @@ def test_max_stale_bounds_the_chain_as_the_wrapper_does_today():
 def test_plan_refuses_impossible_versions(held, now):
     with pytest.raises(fedcomp.FedcompError):
         plan_download(held, [0] * 31, now, full_bytes=100)
+
+
+def test_broadcast_step_applies_exactly_its_payload_and_keeps_what_it_dropped():
+    codec = fedcomp.build_codec("sketch(rows=5,cols=800,ratio=0.004)")  # k = 10: every hot coordinate
+    broadcast = fedcomp.build_codec("topk(ratio=0.004)+kbit(bits=2)")  # coarse: drops a lot of each value
+    layout = fedcomp.Layout.of(_model())
+    fb = ServerFeedback(codec, layout)
+    u = _sparse(10, seed=6)
+    fb.add(codec.encode(u).payload, 1.0)
+    sent, payload = fb.step_broadcast(broadcast, nonce=3, round=1)
+    assert all(torch.equal(sent[k], v) for k, v in broadcast.decode(payload, layout, round=1).items())
+    first_error = float((sent["w"] - u["w"]).norm())
+    assert first_error > 0.05 * float(u["w"].norm())  # 2 bits lose a visible part
+    total = sent["w"].clone()
+    for r in range(2, 8):  # no new uploads: the dropped part comes back through the error table
+        more, _ = fb.step_broadcast(broadcast, nonce=3, round=r)
+        total += more["w"]
+    assert float((total - u["w"]).norm()) < 0.25 * first_error
+
+
+def test_broadcast_step_before_any_upload_sends_zeros():
+    codec = fedcomp.build_codec("sketch(rows=1,cols=100)")
+    layout = fedcomp.Layout.of(_model())
+    sent, payload = ServerFeedback(codec, layout).step_broadcast(fedcomp.build_codec("topk(ratio=0.01)+kbit(bits=4)"))
+    assert not torch.any(sent["w"]) and len(payload) > 0
