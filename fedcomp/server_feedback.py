@@ -107,6 +107,10 @@ class ServerFeedback:
         linear). The global model then moves only by broadcast payloads: clients that replay
         them from the seeded round-0 model hold the server's model itself, with no download
         error-feedback loop lagging behind it.
+
+        Experimental: in the cross-device study (``fedcomp.simulations.xdev_study``, scheme
+        ``fetchsgd-c16000-q4+coupled``) it collapsed to chance in 2 of 4 runs (late in the run,
+        finite values); use :meth:`step` with a download tier (seeded chains) instead.
         """
         out, payload = self._step(broadcast, nonce, round)
         assert payload is not None

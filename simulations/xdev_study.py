@@ -343,6 +343,8 @@ SCHEMES = [
            download_mode="seeded"),
     Scheme("topk-clientEF+down-seeded", TOPKQ, download=DOWN, download_mode="seeded"),
     Scheme("fetchsgd-c16000-q4+coupled", SK16, mode="fetchsgd", download=DOWN, download_mode="coupled"),
+    Scheme("fetchsgd-c16000-q4+coupled-stoch", SK16, mode="fetchsgd", download="topk(ratio=0.01)+kbit(bits=4,stochastic=true)",
+           download_mode="coupled"),
     Scheme("fetchsgd-k0.02+coupled-k0.02", SK16_K2, mode="fetchsgd", download="topk(ratio=0.02)+kbit(bits=4)",
            download_mode="coupled"),
     Scheme("fetchsgd-k0.02+down-seeded", SK16_K2, mode="fetchsgd", download=DOWN, download_mode="seeded"),
