@@ -108,9 +108,10 @@ class ServerFeedback:
         them from the seeded round-0 model hold the server's model itself, with no download
         error-feedback loop lagging behind it.
 
-        Experimental: in the cross-device study (``fedcomp.simulations.xdev_study``, scheme
-        ``fetchsgd-c16000-q4+coupled``) it collapsed to chance in 2 of 4 runs (late in the run,
-        finite values); use :meth:`step` with a download tier (seeded chains) instead.
+        Use an unbiased (stochastic) quantizer in ``broadcast``: with nearest rounding
+        (``kbit(bits=4)``) the study (``fedcomp.simulations.xdev_study``, scheme
+        ``fetchsgd-c16000-q4+coupled``) collapsed to chance late in 2 of 4 runs; with
+        ``kbit(bits=4, stochastic=true)`` it did not (``fetchsgd-c16000-q4+coupled-stoch``).
         """
         out, payload = self._step(broadcast, nonce, round)
         assert payload is not None
