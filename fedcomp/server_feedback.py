@@ -18,9 +18,18 @@ linear (``sketch(...)``), with or without a quantizer after it: the server dequa
 before summing, so ``sketch(rows=1, cols=16000)+qsgd(bits=4)`` is as summable as the raw sketch and
 costs a quarter of it. Stochastic (unbiased) quantizers keep the sum unbiased.
 
-:func:`plan_download` is the download side: every client can rebuild the round-0 model from the
-run's seed, so a client on first contact gets the chain of compressed steps from round 0 instead of
-the dense model, and the server keeps the step payloads (per tier, not per client).
+:meth:`ServerFeedback.step_broadcast` couples the download to it: the heavy hitters are encoded
+once with the download codec (unbiased rounding), the server applies exactly what that payload
+decodes to, and what the download codec dropped is sketched back into the error table; the payloads
+are then the model's whole history. :func:`plan_download` is the download side: every client can
+rebuild the round-0 model from the run's seed, so a client on first contact gets the chain of
+compressed steps from round 0 instead of the dense model, and the server keeps the step payloads
+(per tier, not per client; never more than one model's bytes are worth keeping).
+
+Measured in ``fedcomp.simulations.xdev_study`` (100 clients, 10% per round, digits):
+``sketch(rows=1, cols=16000, ratio=0.01)+qsgd(bits=4)`` + ``topk(ratio=0.01)+kbit(bits=4,
+stochastic=true)`` coupled: 114x fewer upload and 30x fewer download bytes than dense FedAvg at
++0.42 points (4 seeds); unchanged accuracy with 10 clients all participating.
 
 Memory: two tables per segment (momentum and error), ``8 * rows * cols`` bytes; nothing per client.
 """
@@ -98,7 +107,9 @@ class ServerFeedback:
         weighted mean of the round's tables; integer tensors get zeros. Resets the round's sum."""
         return self._step(None, 0, 0)[0]
 
-    def step_broadcast(self, broadcast: Codec, *, nonce: int = 0, round: int = 0) -> tuple[dict[str, torch.Tensor], bytes]:
+    def step_broadcast(
+        self, broadcast: Codec, *, nonce: int = 0, round: int = 0
+    ) -> tuple[dict[str, torch.Tensor], bytes]:
         """The update to apply, already compressed for the download, and its payload.
 
         The heavy hitters are encoded with ``broadcast`` (e.g. ``topk(ratio=...)+kbit(bits=4)``
@@ -110,7 +121,7 @@ class ServerFeedback:
 
         Use an unbiased (stochastic) quantizer in ``broadcast``: with nearest rounding
         (``kbit(bits=4)``) the study (``fedcomp.simulations.xdev_study``, scheme
-        ``fetchsgd-c16000-q4+coupled``) collapsed to chance late in 2 of 4 runs; with
+        ``fetchsgd-c16000-q4+coupled``) collapsed to chance late in 2 of 5 runs; with
         ``kbit(bits=4, stochastic=true)`` it did not (``fetchsgd-c16000-q4+coupled-stoch``).
         """
         out, payload = self._step(broadcast, nonce, round)
@@ -149,8 +160,8 @@ class ServerFeedback:
         encoded = broadcast.encode(out, nonce=nonce, round=round)
         sent = broadcast.decode(encoded.payload, self.layout, round=round)
         for j, (seg, group) in enumerate(self._segments):  # the broadcast's loss stays in the error
-            dropped = torch.cat([(out[self.layout.tensors[i].name] - sent[self.layout.tensors[i].name]).reshape(-1).float()
-                                 for i in group])
+            names = [self.layout.tensors[i].name for i in group]
+            dropped = torch.cat([(out[n] - sent[n]).reshape(-1).float() for n in names])
             self._error[j].add_(reducer.sketch(dropped))
         return sent, encoded.payload
 

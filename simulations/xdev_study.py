@@ -25,8 +25,7 @@ Upload modes (``Scheme.mode``):
 * ``fetchsgd``: stateless clients upload a count sketch (optionally quantized; the server
   dequantizes, sums tables weighted by examples, keeps momentum and error in sketch space,
   applies the heavy hitters of the error and zeroes the cells they hash to, as the wrapper's
-  ``aggregation="sketch"``); or ``sfb`` (:mod:`fedcomp.server_feedback`): the same server
-  accumulation for any linear codec in ``ServerFeedback``.
+  ``aggregation="sketch"``), via :class:`fedcomp.server_feedback.ServerFeedback`.
 
 Server step: ``G += server_lr * m`` with ``m = server_momentum * m + mean`` (FedAvgM-like;
 0 and 1: plain FedAvg).
@@ -40,16 +39,20 @@ one encode of ``C(G - R)`` per round, and every client trains from R):
 * ``seeded``: round 0's model is the seeded initialisation every node builds itself, so first
   contact is the chain from round 0; the server keeps the tier's step payloads (bytes, per tier,
   not per client) and sends the full model only when a chain would cost more.
+* ``coupled`` (``fetchsgd`` only): no separate reference; the server applies exactly the payload
+  that ``ServerFeedback.step_broadcast`` encodes with the download codec, clients replay those
+  payloads from the seeded round-0 model (chains as in ``seeded``) and so hold G itself.
+
+Results: ``simulations/figures/xdev/results.jsonl`` (one JSON line per run) and README.md there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -269,7 +272,8 @@ def run(scheme: Scheme, regime: Regime, seed: int = 0) -> Result:
             curve.append(task.evaluate(model, x_test, y_test, "cpu")[1])
 
     model.load_state_dict(G)
-    acc = task.evaluate(model, x_test, y_test, "cpu")[1] if all(bool(torch.isfinite(v).all()) for v in G.values()) else 0.0
+    finite = all(bool(torch.isfinite(v).all()) for v in G.values())
+    acc = task.evaluate(model, x_test, y_test, "cpu")[1] if finite else 0.0  # a diverged run scores 0
     model.load_state_dict(R)
     acc_r = task.evaluate(model, x_test, y_test, "cpu")[1] if scheme.download_mode != "dense" else acc
     server_mem = nbytes_model  # G
@@ -343,8 +347,8 @@ SCHEMES = [
            download_mode="seeded"),
     Scheme("topk-clientEF+down-seeded", TOPKQ, download=DOWN, download_mode="seeded"),
     Scheme("fetchsgd-c16000-q4+coupled", SK16, mode="fetchsgd", download=DOWN, download_mode="coupled"),
-    Scheme("fetchsgd-c16000-q4+coupled-stoch", SK16, mode="fetchsgd", download="topk(ratio=0.01)+kbit(bits=4,stochastic=true)",
-           download_mode="coupled"),
+    Scheme("fetchsgd-c16000-q4+coupled-stoch", SK16, mode="fetchsgd",
+           download="topk(ratio=0.01)+kbit(bits=4,stochastic=true)", download_mode="coupled"),
     Scheme("fetchsgd-k0.02+coupled-k0.02", SK16_K2, mode="fetchsgd", download="topk(ratio=0.02)+kbit(bits=4)",
            download_mode="coupled"),
     Scheme("fetchsgd-k0.02+down-seeded", SK16_K2, mode="fetchsgd", download=DOWN, download_mode="seeded"),
@@ -381,7 +385,8 @@ def table(path: Path) -> str:
             down = sum(r["download_bytes_dense"] for r in got) / sum(r["download_bytes"] for r in got)
             modes = got[0]["download_modes"]
             out.append(
-                f"| {name} | {g} | {len(got)} | {100 * sum(acc) / len(acc):.2f} ({', '.join(f'{100 * a:.2f}' for a in acc)}) "
+                f"| {name} | {g} | {len(got)} | {100 * sum(acc) / len(acc):.2f} "
+                f"({', '.join(f'{100 * a:.2f}' for a in acc)}) "
                 f"| {gap:+.2f} | {up:.1f} | {down:.1f} | {modes['full']}/{modes['chain']} "
                 f"| {got[0]['server_memory_bytes'] / 1e6:.2f} | {got[0]['client_memory_bytes'] / 1e6:.2f} |")
     return "\n".join(out)
@@ -414,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(up_ratio=r.up_ratio, down_ratio=r.down_ratio)
                 with out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
-                print(f"{regime_name:12s} seed {seed} {s.name:34s} acc {100 * r.accuracy:6.2f} (R {100 * r.accuracy_reference:6.2f}) "
+                print(f"{regime_name:12s} seed {seed} {s.name:34s} acc {100 * r.accuracy:6.2f} "
+                      f"(R {100 * r.accuracy_reference:6.2f}) "
                       f"up {r.up_ratio:7.1f}x down {r.down_ratio:6.1f}x modes {r.download_modes} "
                       f"srv {r.server_memory_bytes / 1e6:6.2f} MB {r.seconds:5.1f}s", flush=True)
     return 0
