@@ -8,11 +8,11 @@ the model name and the task.
 =========== ============================================== ================================
 name        layers                                         parameters (MNIST 28x28 / chars)
 =========== ============================================== ================================
-cnn-bn      2 x (conv3x3 - BatchNorm2d - ReLU - maxpool),  421,642
+cnn-bn      2 x (conv3x3 - BatchNorm2d - ReLU - maxpool),  421,738
             fc 128 - ReLU - fc classes
-resnet      conv3x3 32 - BN, four stride-2 basic blocks    1,235,338
+resnet      conv3x3 32 - BN, four stride-2 basic blocks    1,229,482
             (32, 64, 128, 256), global avgpool - fc
-char-lstm   Embedding(vocab, 64) - LSTM(256) - fc vocab    360,994 (vocab 98)
+char-lstm   Embedding(vocab, 64) - LSTM(192) - fc vocab    223,330 (vocab 98)
 =========== ============================================== ================================
 
 The image models keep BatchNorm only after convolutions (BatchNorm2d normalises over the
@@ -106,7 +106,7 @@ class CharLSTM(nn.Module):
     Input: int64 character ids ``(batch, time)``; output: logits ``(batch, time, vocab)``.
     """
 
-    def __init__(self, vocab: int, embed: int = 64, hidden: int = 256) -> None:
+    def __init__(self, vocab: int, embed: int = 64, hidden: int = 192) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, embed)
         self.lstm = nn.LSTM(embed, hidden, batch_first=True)

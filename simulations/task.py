@@ -87,7 +87,7 @@ TASKS: dict[str, TaskSpec] = _tasks()
 
 #: ``stdlib-chars`` windows: 80 input characters, targets shifted by one.
 SEQ_LEN = 80
-_WINDOWS_PER_FILE = 16
+_WINDOWS_PER_FILE = 8
 _CHAR_TEST_FILES = 0.1  # fraction of the corpus' files held out for the server's test set
 _CHAR_TEST_MAX = 1000  # test windows evaluated (evenly spaced over the held-out ones)
 # When a data set cannot be cut into that many disjoint Dirichlet partitions (e.g. 1000 clients
