@@ -364,3 +364,24 @@ def test_bn_check_helper_trains_the_cnn_through_codecs():
     (fixed,) = bn_check(rounds=1, clients=10, fraction=0.1, evaluate=False, exact_state=True, log=lambda *_: None,
                         codecs=(("sketch(rows=1,cols=4000,ratio=0.01)", "sketch", False),))
     assert fixed["counters_advance"] and fixed["var_nonnegative"] and fixed["counters"][0][0] > 0
+
+
+def test_client_app_trains_a_task_beyond_digits():
+    """The project's ClientApp handler reads run config `task` and returns the task model's state."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+    from fedcomp.simulations import client_app
+
+    model = task.build_model("char-lstm", 0, "stdlib-chars")
+    msg = Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "config": ConfigRecord({"server-round": 1})}),
+                  dst_node_id=5, message_type="train")
+    cfg = {"task": "stdlib-chars", "model": "char-lstm", "seed": 0, "local-epochs": 1, "lr": 2.0,
+           "batch-size": 32, "partition-alpha": 0.5}
+    context = Context(run_id=1, node_id=5, node_config={"partition-id": 4, "num-partitions": 1000},
+                      state=RecordDict(), run_config=cfg)
+    reply = client_app.train(msg, context)
+    trained = reply.content.array_records["arrays"].to_torch_state_dict()
+    assert list(trained) == list(model.state_dict())
+    assert not torch.equal(trained["embed.weight"], model.state_dict()["embed.weight"])
+    examples = int(reply.content.metric_records["metrics"]["num-examples"])
+    assert examples == len(task._char_partition_indices(1000, 0)[4])
