@@ -16,8 +16,9 @@ shakespeare     LEAF Shakespeare, by character             char-lstm            
 ==============  =========================================  ===============================  =========
 
 Image tasks are split non-IID by flwr-datasets' ``DirichletPartitioner`` over the labels of an
-in-memory ``datasets.Dataset``; ``stdlib-chars`` gives each client whole source files
-(``NaturalIdPartitioner``); the online tasks use the same partitioners on the downloaded data
+in-memory ``datasets.Dataset`` (overlapping resamples beyond what a disjoint split allows, e.g.
+1000 clients on digits); ``stdlib-chars`` gives each client whole source files, balanced by
+size; the online tasks use flwr-datasets' partitioners on the downloaded data
 (see :mod:`fedcomp.simulations.datasets`). Every loader is memoised in the process, so the
 ClientApp Flower starts per message does not parse its data again.
 """
