@@ -1,7 +1,8 @@
 """The project's ClientApp: trains the task model on its partition; ``compression_mod`` compresses.
 
-Run config keys read here: ``model``, ``local-epochs``, ``lr``, ``batch-size``, ``seed``,
-``partition-alpha``. Node config: ``partition-id``, ``num-partitions`` (given by the simulation
+Run config keys read here: ``task`` (default ``digits``), ``model``, ``local-epochs``, ``lr``,
+``batch-size``, ``seed``, ``partition-alpha``. Data loading is memoised per process
+(``fedcomp.simulations.task``), so only a worker's first message pays for it. Node config: ``partition-id``, ``num-partitions`` (given by the simulation
 engine, or by ``flower-supernode --node-config``), optional ``device`` (``cpu``, ``cuda``...).
 """
 
@@ -50,11 +51,11 @@ def validate_node_config(node_config) -> tuple[int, int]:
 def train(msg: Message, context: Context) -> Message:
     cfg = context.run_config
     seed = int(cfg["seed"])
-    model = task.build_model(str(cfg["model"]), seed=seed)
+    task_name = str(cfg.get("task", "digits"))
+    model = task.build_model(str(cfg["model"]), seed=seed, task=task_name)
     model.load_state_dict(msg.content.array_records["arrays"].to_torch_state_dict())
-    train_set, _ = task.load_digits_split(seed=seed)
     pid, parts = validate_node_config(context.node_config)
-    x, y = task.partition(train_set, parts, pid, float(cfg["partition-alpha"]), seed)
+    x, y = task.load_partition(task_name, pid, parts, float(cfg["partition-alpha"]), seed)
     server_round = int(msg.content.config_records["config"].get("server-round", 0))
     loss = task.train(
         model, x, y,

@@ -26,7 +26,7 @@ from fedcomp.strategies.wrapper import CompressedStrategy
 app = ServerApp()
 
 CONFIG_KEYS = (
-    "num-server-rounds", "fraction-train", "model", "local-epochs", "lr", "batch-size", "seed",
+    "num-server-rounds", "fraction-train", "task", "model", "local-epochs", "lr", "batch-size", "seed",
     "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum", "delta",
     "download-tier-kbps", "download-max-stale", "link-profile", "round-deadline-s", "budget-fallback",
     "streaming",
@@ -53,7 +53,9 @@ def validate_run_config(run_config) -> dict:
         raise ValueError(f"run config has unknown keys {unknown}; allowed: {', '.join(CONFIG_KEYS)}")
     _check(cfg, "num-server-rounds", int, "a positive integer", lambda v: v >= 1)
     _check(cfg, "fraction-train", float, "a fraction in (0, 1]", lambda v: 0 < v <= 1)
-    _check(cfg, "model", str, f"one of {task.MODELS}", lambda v: v in task.MODELS)
+    _check(cfg, "task", str, f"one of {tuple(task.TASKS)}", lambda v: v in task.TASKS)
+    _check(cfg, "model", str, f"one of {task.TASKS[cfg['task']].models} for task {cfg['task']!r}",
+           lambda v: v in task.TASKS[cfg["task"]].models)
     _check(cfg, "local-epochs", int, "a positive integer", lambda v: v >= 1)
     _check(cfg, "lr", float, "a positive float", lambda v: v > 0)
     _check(cfg, "batch-size", int, "a positive integer", lambda v: v >= 1)
@@ -112,9 +114,8 @@ def _aggregation(cfg: dict) -> str:
 def main(grid: Grid, context: Context) -> None:
     cfg = validate_run_config(context.run_config)
     seed = int(cfg["seed"])
-    model = task.build_model(str(cfg["model"]), seed=seed)
-    _, test_set = task.load_digits_split(seed=seed)
-    x_test, y_test = test_set.tensors
+    model = task.build_model(str(cfg["model"]), seed=seed, task=str(cfg["task"]))
+    x_test, y_test = task.load_test(str(cfg["task"]), seed)
     out_dir = Path(str(cfg["out-dir"])).expanduser().resolve()
 
     strategy = CompressedStrategy(
