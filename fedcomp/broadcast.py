@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fedcomp.aggregate import apply_step  # noqa: F401  (re-exported: the one way to apply a step)
 from fedcomp.codec import Codec, derive_nonce
 from fedcomp.errors import FedcompError, SpecError
 from fedcomp.layout import Layout
@@ -77,18 +78,6 @@ def reference_crc(tensors: Mapping[str, torch.Tensor]) -> int:
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # fp32, or float64 for float64 tensors
-
-
-def apply_step(reference: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``reference + step`` as both sides compute it (on the CPU, floats in at least fp32, then
-    back to their dtype), so that both get the same bits."""
-    out = {}
-    for name, r in reference.items():
-        if r.is_floating_point():
-            out[name] = (r.to(_wide(r.dtype)) + step[name].to(_wide(r.dtype))).to(r.dtype)
-        else:
-            out[name] = r + step[name].to(r.dtype)
-    return out
 
 
 def parse_tiers(spec: str) -> list[str]:
