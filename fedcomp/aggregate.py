@@ -19,7 +19,7 @@ The data path of one reply (used alike by ``CompressedStrategy``, the sweep and 
    dtypes through :func:`apply_step`, the one "apply a step to a reference" function of fedcomp
    (broadcasts use it too), and frees the sum.
 
-Working memory: the float64 sum (two fp32 model copies) plus one decoded reply (one copy, none
+Working memory: the float64 sum (two fp32 model copies, one float64 tensor each) plus one decoded reply (one copy, none
 for sparse codecs), whatever the number of replies; temporaries are bounded by ``CHUNK``.
 """
 
@@ -242,7 +242,10 @@ class Accumulator:
                 offset += t.numel
         self._numel = offset
         self._shapes = {t.name: t.shape for t in layout.tensors}
-        self._sum: torch.Tensor | None = None
+        self._by_start = {start: name for name, (start, _) in self._offsets.items()}
+        self._starts = torch.tensor([start for start, _ in self._offsets.values()] + [offset], dtype=torch.int64)
+        # one float64 sum per tensor (freed tensor by tensor when the mean is applied)
+        self._sums: dict[str, torch.Tensor] | None = None
         self._ints: dict[str, torch.Tensor] = {}
         reducer = getattr(codec, "reducer", None)
         # scatter-add path: a selector whose dense form is "values at positions, zero elsewhere"
@@ -306,23 +309,33 @@ class Accumulator:
     def add_update(self, update: Update, weight: float) -> None:
         """Add ``weight * update`` (weight checked by :func:`check_weight`)."""
         w = check_weight(weight)
-        if self._sum is None:
+        if self._sums is None:
             raise AggregationError("the accumulator's mean was taken; reset() it before adding")
         if not math.isfinite(self.total_weight + w):
             raise AggregateOverflow(f"total weight {self.total_weight:g} + {w:g} overflows")
         for start, idx, vals in update.parts:
             if idx is not None:
-                self._sum.index_add_(0, idx.to(self.device) + start if start else idx.to(self.device),
-                                     vals.to(self.device, torch.float64), alpha=w)
-            else:
-                flat = vals.reshape(-1)
-                for i in range(0, flat.numel(), CHUNK):  # the float64 temporaries stay chunk-sized
-                    piece = flat[i:i + CHUNK]
-                    self._sum[start + i:start + i + piece.numel()].add_(piece.to(self.device), alpha=w)
+                self._scatter(idx.to(self.device) + start if start else idx.to(self.device), vals, w)
+                continue
+            target = self._sums[self._by_start[start]]
+            flat = vals.reshape(-1)
+            for i in range(0, flat.numel(), CHUNK):  # the float64 temporaries stay chunk-sized
+                piece = flat[i:i + CHUNK]
+                target[i:i + piece.numel()].add_(piece.to(self.device), alpha=w)
         for name, t in update.ints.items():
             self._ints[name].add_(t.to(self.device, torch.float64).view(self._ints[name].shape), alpha=w)
         self.total_weight += w
         self.count += 1
+
+    def _scatter(self, pos: torch.Tensor, vals: torch.Tensor, w: float) -> None:
+        """Scatter-add values at flat positions (over all float tensors) into the per-tensor sums."""
+        if pos.numel() > 1 and not bool((pos[1:] >= pos[:-1]).all()):
+            order = torch.argsort(pos)
+            pos, vals = pos[order], vals[order]
+        cuts = torch.searchsorted(pos, self._starts.to(pos.device)).tolist()
+        for (name, (start, _)), a, b in zip(self._offsets.items(), cuts[:-1], cuts[1:]):
+            if b > a:
+                self._sums[name].index_add_(0, pos[a:b] - start, vals[a:b].to(self.device, torch.float64), alpha=w)
 
     def add(self, payload: bytes, weight: float, *, round: int = 0) -> None:
         """Decode one reply and add ``weight`` times its update; on any error the sum is unchanged."""
@@ -336,23 +349,17 @@ class Accumulator:
 
     # -- results -------------------------------------------------------------------------------
     def _need(self) -> None:
+        if self._sums is None:
+            raise AggregationError("the accumulator's mean was taken already; reset() it for the next round")
         if not self.total_weight > 0:
             raise AggregationError(f"no weight to average over (total weight {self.total_weight}, {self.count} replies)")
-        if self._sum is None:
-            raise AggregationError("the accumulator's mean was taken already; reset() it for the next round")
 
     def sum(self) -> dict[str, torch.Tensor]:
         """The weighted sum so far, per tensor (float64)."""
-        if self._sum is None:
+        if self._sums is None:
             raise AggregationError("the accumulator's mean was taken already; reset() it for the next round")
-        out = {}
-        for t in self.layout.tensors:
-            if t.is_float:
-                start, numel = self._offsets[t.name]
-                out[t.name] = self._sum[start:start + numel].view(t.shape).clone()
-            else:
-                out[t.name] = self._ints[t.name].clone()
-        return out
+        return {t.name: (self._sums[t.name] if t.is_float else self._ints[t.name]).view(t.shape).clone()
+                for t in self.layout.tensors}
 
     def mean(self) -> dict[str, torch.Tensor]:
         """Weighted mean of the updates added, in the layout's dtypes (integer tensors rounded);
@@ -361,8 +368,7 @@ class Accumulator:
         out = {}
         for t in self.layout.tensors:
             if t.is_float:
-                start, numel = self._offsets[t.name]
-                out[t.name] = (self._sum[start:start + numel] / self.total_weight).view(t.shape).to(t.torch_dtype)
+                out[t.name] = (self._sums[t.name] / self.total_weight).view(t.shape).to(t.torch_dtype)
             else:
                 out[t.name] = torch.round(self._ints[t.name] / self.total_weight).to(t.torch_dtype)
         self._check_finite(out)
@@ -371,15 +377,20 @@ class Accumulator:
     def apply_mean(self, reference: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``reference + weighted mean`` in the reference's dtypes (:func:`apply_step`).
 
-        The mean is formed in place in the float64 buffer, which is then freed: the peak is the
-        sum plus the result. Call :meth:`reset` before the next round.
+        Tensor by tensor, the mean is formed in place in its float64 sum, applied, and the sum
+        freed: the peak is the sums plus one tensor. Call :meth:`reset` before the next round.
         """
         self._need()
-        self._sum.div_(self.total_weight)
-        step = {t.name: (self._sum[self._offsets[t.name][0]:self._offsets[t.name][0] + t.numel].view(t.shape)
-                         if t.is_float else self._ints[t.name] / self.total_weight) for t in self.layout.tensors}
-        out = apply_step({n: reference[n] for n in self.layout.names}, step)
-        self._sum, self._ints = None, {}
+        sums, ints, total = self._sums, self._ints, self.total_weight
+        self._sums, self._ints = None, {}
+        out = {}
+        for t in self.layout.tensors:
+            if t.is_float:
+                mean = sums.pop(t.name).div_(total).view(t.shape)
+            else:
+                mean = ints.pop(t.name) / total
+            out[t.name] = _apply_one(reference[t.name], mean)
+            del mean
         self._check_finite(out)
         return out
 
@@ -391,13 +402,13 @@ class Accumulator:
 
     def reset(self) -> None:
         """An empty sum for the next round."""
-        if self._sum is None:
-            self._sum = torch.zeros(self._numel, dtype=torch.float64, device=self.device)
+        if self._sums is None:
+            self._sums = {name: torch.zeros(numel, dtype=torch.float64, device=self.device)
+                          for name, (_, numel) in self._offsets.items()}
             self._ints = {t.name: torch.zeros(t.shape, dtype=torch.float64, device=self.device)
                           for t in self.layout.tensors if not t.is_float}
         else:
-            self._sum.zero_()
-            for v in self._ints.values():
+            for v in (*self._sums.values(), *self._ints.values()):
                 v.zero_()
         self.total_weight = 0.0
         self.count = 0
