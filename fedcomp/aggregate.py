@@ -26,6 +26,7 @@ for sparse codecs), whatever the number of replies; temporaries are bounded by `
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -105,7 +106,7 @@ def _sq_norm(t: torch.Tensor) -> float:
 def check_weight(weight, max_weight: float = 0.0) -> float:
     """``weight`` as a float if it is a finite number > 0 and at most ``max_weight`` (0: only the
     hard limit 2**53); :class:`WeightError` naming the value otherwise."""
-    if isinstance(weight, bool):
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
         raise WeightError(f"weight must be a number, got {weight!r}")
     try:
         w = float(weight)
@@ -114,7 +115,7 @@ def check_weight(weight, max_weight: float = 0.0) -> float:
     except (TypeError, ValueError):
         raise WeightError(f"weight must be a number, got {weight!r}") from None
     if not math.isfinite(w) or w <= 0:
-        raise WeightError(f"weight must be a finite number > 0, got {w!r}")
+        raise WeightError(f"weight must be a finite number > 0, got {w:g}")
     cap = min(max_weight, MAX_WEIGHT) if max_weight > 0 else MAX_WEIGHT
     if w > cap:
         which = f"max_weight={max_weight:g}" if max_weight > 0 and max_weight < MAX_WEIGHT else "the limit 2**53"
@@ -247,6 +248,7 @@ class Accumulator:
         # one float64 sum per tensor (freed tensor by tensor when the mean is applied)
         self._sums: dict[str, torch.Tensor] | None = None
         self._ints: dict[str, torch.Tensor] = {}
+        self._spent = False
         reducer = getattr(codec, "reducer", None)
         # scatter-add path: a selector whose dense form is "values at positions, zero elsewhere"
         self.sparse = (
@@ -293,12 +295,13 @@ class Accumulator:
                 raise UpdateRejected(f"update of {name!r} has NaN or Inf values")
             parts.append((start, None, t))
         ints = {}
-        for name in self._ints:
-            t = tensors[name]
-            if t.numel() != self._ints[name].numel():
-                raise AggregationError(f"update of {name!r} has {t.numel()} elements, the layout says "
-                                       f"{self._ints[name].numel()}")
-            ints[name] = t
+        for spec in self.layout.tensors:
+            if spec.is_float:
+                continue
+            t = tensors[spec.name]
+            if t.numel() != spec.numel:
+                raise AggregationError(f"update of {spec.name!r} has {t.numel()} elements, the layout says {spec.numel}")
+            ints[spec.name] = t
         return Update(parts, ints)
 
     def _is_sparse(self, codec) -> bool:
@@ -309,10 +312,15 @@ class Accumulator:
     def add_update(self, update: Update, weight: float) -> None:
         """Add ``weight * update`` (weight checked by :func:`check_weight`)."""
         w = check_weight(weight)
-        if self._sums is None:
+        if self._spent:
             raise AggregationError("the accumulator's mean was taken; reset() it before adding")
         if not math.isfinite(self.total_weight + w):
             raise AggregateOverflow(f"total weight {self.total_weight:g} + {w:g} overflows")
+        if self._sums is None:  # allocated at the first reply of a round, freed by apply_mean
+            self._sums = {name: torch.zeros(numel, dtype=torch.float64, device=self.device)
+                          for name, (_, numel) in self._offsets.items()}
+            self._ints = {t.name: torch.zeros(t.shape, dtype=torch.float64, device=self.device)
+                          for t in self.layout.tensors if not t.is_float}
         for start, idx, vals in update.parts:
             if idx is not None:
                 self._scatter(idx.to(self.device) + start if start else idx.to(self.device), vals, w)
@@ -349,15 +357,17 @@ class Accumulator:
 
     # -- results -------------------------------------------------------------------------------
     def _need(self) -> None:
-        if self._sums is None:
+        if self._spent:
             raise AggregationError("the accumulator's mean was taken already; reset() it for the next round")
-        if not self.total_weight > 0:
+        if not self.total_weight > 0 or self._sums is None:
             raise AggregationError(f"no weight to average over (total weight {self.total_weight}, {self.count} replies)")
 
     def sum(self) -> dict[str, torch.Tensor]:
         """The weighted sum so far, per tensor (float64)."""
-        if self._sums is None:
+        if self._spent:
             raise AggregationError("the accumulator's mean was taken already; reset() it for the next round")
+        if self._sums is None:
+            return {t.name: torch.zeros(t.shape, dtype=torch.float64, device=self.device) for t in self.layout.tensors}
         return {t.name: (self._sums[t.name] if t.is_float else self._ints[t.name]).view(t.shape).clone()
                 for t in self.layout.tensors}
 
@@ -382,7 +392,7 @@ class Accumulator:
         """
         self._need()
         sums, ints, total = self._sums, self._ints, self.total_weight
-        self._sums, self._ints = None, {}
+        self._sums, self._ints, self._spent = None, {}, True
         out = {}
         for t in self.layout.tensors:
             if t.is_float:
@@ -401,15 +411,11 @@ class Accumulator:
                 raise AggregateOverflow(f"the aggregate of {name!r} does not fit {t.dtype} (it would be inf)")
 
     def reset(self) -> None:
-        """An empty sum for the next round."""
-        if self._sums is None:
-            self._sums = {name: torch.zeros(numel, dtype=torch.float64, device=self.device)
-                          for name, (_, numel) in self._offsets.items()}
-            self._ints = {t.name: torch.zeros(t.shape, dtype=torch.float64, device=self.device)
-                          for t in self.layout.tensors if not t.is_float}
-        else:
+        """An empty sum for the next round (buffers are allocated at the first reply)."""
+        if self._sums is not None:
             for v in (*self._sums.values(), *self._ints.values()):
                 v.zero_()
+        self._spent = False
         self.total_weight = 0.0
         self.count = 0
 

@@ -212,6 +212,12 @@ class Tier:
         """
         if held is not None:
             crc = held[2]
+            last = self.history[-1] if self.history else None
+            if (last is not None and crc == self.crc and held[0] == self.index and held[1] == self.version
+                    == last.round):
+                # already current (federated evaluation sent it this step): the last step again,
+                # which a client holding its result applies as nothing (see apply_plan)
+                return Plan(self.index, "chain", (last.payload,), (last.round,), last.base_crc, self.crc)
             starts = [i for i, s in enumerate(self.history) if s.base_crc == crc]
             if starts:
                 steps = list(self.history)[starts[-1]:]
