@@ -198,17 +198,36 @@ class Update:
     parts: list[tuple[int, torch.Tensor | None, torch.Tensor]]
     ints: dict[str, torch.Tensor]
     _norm: float | None = None
+    # reducers whose values are small but expand to dense segments (PowerSGD): (offset, expand,
+    # [(name, numel, dtype)]); expanded once to check and measure, once more to add
+    lazy: list[tuple[int, object, list]] = field(default_factory=list)
+
+    def pieces(self):
+        """(offset, positions or None, values) of every part, lazy segments expanded one at a time."""
+        yield from self.parts
+        for start, expand, tensors in self.lazy:
+            y = expand()
+            offset = 0
+            for _, numel, dtype in tensors:  # each tensor in its dtype, as Codec.decode returns it
+                yield start + offset, None, y[offset:offset + numel].to(dtype)
+                offset += numel
+            del y
 
     def norm(self) -> float:
         if self._norm is None:
-            self._norm = math.sqrt(sum(_sq_norm(v) for _, _, v in self.parts))
+            total = 0.0
+            for _, _, v in self.pieces():
+                if self.lazy and not _finite(v):
+                    raise UpdateRejected("update has NaN or Inf values")
+                total += _sq_norm(v)
+            self._norm = math.sqrt(total)
         return self._norm
 
     def dense(self, layout_offsets: Mapping[str, tuple[int, int]], shapes: Mapping[str, tuple]) -> dict:
         """Named dense tensors (fp32 values) of this update (for strategies that need models)."""
         total = sum(n for _, n in layout_offsets.values())
         flat = torch.zeros(total, dtype=torch.float32, device=self.parts[0][2].device if self.parts else "cpu")
-        for start, idx, vals in self.parts:
+        for start, idx, vals in self.pieces():
             if idx is None:
                 flat[start:start + vals.numel()] = vals.reshape(-1)
             else:
@@ -273,6 +292,18 @@ class Accumulator:
                     raise DecodeError(f"{vals.numel()} values for {idx.numel()} positions")
                 parts.append((self._offsets[self.layout.tensors[group[0]].name][0], idx, vals))
             ints = {self.layout.tensors[i].name: t for i, t in raw.items()}
+        elif isinstance(codec, Codec) and codec.reducer is not None:
+            # values are small (factors, sketch cells); segments expand one at a time
+            read, raw = codec.decode_parts(payload, self.layout, self.device, round=round)
+            lazy = []
+            for seg, group, aux, vals in read:
+                tensors = [(self.layout.tensors[i].name, self.layout.tensors[i].numel, self.layout.tensors[i].torch_dtype)
+                           for i in group]
+                expand = (lambda v=vals, a=aux, g=seg: codec.reducer.expand(v, a, g))
+                lazy.append((self._offsets[tensors[0][0]][0], expand, tensors))
+            update = Update([], {self.layout.tensors[i].name: t for i, t in raw.items()}, lazy=lazy)
+            update.norm()  # expands each segment once: non-finite values raise here, before adding
+            return update
         else:
             decoded = codec.decode(payload, self.layout, self.device, round=round)
             return self.dense_update(decoded)
@@ -321,7 +352,7 @@ class Accumulator:
                           for name, (_, numel) in self._offsets.items()}
             self._ints = {t.name: torch.zeros(t.shape, dtype=torch.float64, device=self.device)
                           for t in self.layout.tensors if not t.is_float}
-        for start, idx, vals in update.parts:
+        for start, idx, vals in update.pieces():
             if idx is not None:
                 self._scatter(idx.to(self.device) + start if start else idx.to(self.device), vals, w)
                 continue
