@@ -21,16 +21,17 @@ updates are kept instead: they are small), so memory stays one decoded reply.
 
 from __future__ import annotations
 
-import math
+from logging import WARNING
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.common import log
 
 import fedcomp
 from fedcomp import protocol as P
-from fedcomp.aggregate import Accumulator, AggregationError, NormGuard, Update, apply_step, check_weight
+from fedcomp.aggregate import Accumulator, NormGuard, apply_step, check_weight
 from fedcomp.budget import same_family
 from fedcomp.fetchsgd import FetchSGD
 from fedcomp.msgsize import message_bytes
@@ -193,9 +194,6 @@ class RoundReplies:
             self.collected.append(valid.msg)
 
     def _drop(self, entry: dict, reason: str, node: int) -> None:
-        from flwr.common import log
-        from logging import WARNING
-
         entry["status"] = f"dropped: {reason}"
         log(WARNING, "fedcomp: dropping reply of node %s in round %s: %s", node, self.round, reason)
 
@@ -250,9 +248,4 @@ def summarize(statuses: list[str], limit: int = 3) -> str:
     return "; ".join(parts) + (f"; and {more} other reasons" if more > 0 else "")
 
 
-def is_finite_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-__all__ = ["RoundReplies", "ReplyHistory", "NoUsableReplies", "MissingCompressionMod", "summarize", "weight_of",
-           "AggregationError"]
+__all__ = ["RoundReplies", "ReplyHistory", "NoUsableReplies", "MissingCompressionMod", "summarize", "weight_of"]
