@@ -401,7 +401,8 @@ class CompressedStrategy(Strategy):
             return
         errors = [m.error.reason or "" for m in state.errors]
         key = state.arrays_key or "arrays"
-        looks_unwrapped = state.unwrapped > 0 or (errors and all(f"'{key}'" in e or "KeyError" in e for e in errors))
+        # without the mod the model never reaches the user's code: it fails looking the record up
+        looks_unwrapped = state.unwrapped > 0 or (errors and all("KeyError" in e and f"'{key}'" in e for e in errors))
         if not looks_unwrapped:
             return
         raise MissingCompressionMod(
