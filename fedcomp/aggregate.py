@@ -1,43 +1,240 @@
-"""Streaming server-side aggregation: decode one reply at a time into a running weighted sum.
+"""Server-side aggregation: replies streamed into one weighted sum, checked before they count.
 
-:class:`Accumulator` keeps one flat fp32 buffer over the layout's float tensors (and a float64
-buffer for integer tensors) and, per reply:
+The data path of one reply (used alike by ``CompressedStrategy``, the sweep and the benchmarks):
 
-1. decodes the whole payload into local tensors (checksum, fingerprints, every count and
-   index checked; non-finite values rejected), so a bad payload raises before anything is added;
-2. adds ``weight * update`` to the buffer in place:
+1. :meth:`Accumulator.decode` reads and checks the whole payload with the codec's own reader
+   (:meth:`fedcomp.Codec.decode_parts`: checksum, fingerprints, every count and index) and
+   rejects non-finite values, so a bad payload raises before anything is added. Selectors
+   (top-k, threshold, random-k, DGC) stay sparse (positions + values, O(k) memory); every other
+   codec is decoded to dense tensors, one reply at a time.
+2. :func:`check_weight` and :class:`NormGuard` decide whether it counts (the weight must be a
+   finite positive number; the update's L2 norm must not exceed a bound relative to the round's
+   median norm, or an absolute one).
+3. :meth:`Accumulator.add_update` adds ``weight * update`` to the sum: scatter-add at the kept
+   positions for sparse updates, a chunked in-place add otherwise. Float tensors sum in float64,
+   where ``weight x value`` is exact for fp32/fp16/bf16 values and integer weights below 2**29,
+   so the sum does not depend on the order replies arrive in and float64 models are not
+   truncated; integer tensors also sum in float64 (exact below 2**53).
+4. :meth:`Accumulator.apply_mean` returns ``reference + sum / total weight`` in the reference's
+   dtypes through :func:`apply_step`, the one "apply a step to a reference" function of fedcomp
+   (broadcasts use it too), and frees the sum.
 
-   * sparsifiers (top-k, threshold, random-k, DGC): the kept values are scatter-added at their
-     positions (``index_add_``); no dense update is ever built, the reply costs O(k) memory;
-   * every other codec (quantizers, sketches, PowerSGD, policies): the dense update is decoded,
-     added in place and freed before the next reply.
-
-Memory is the buffer plus one decoded reply whatever the number of clients; ``mean()`` is the
-weighted mean ``sum_i w_i u_i / sum_i w_i`` (FedAvg with ``w_i`` = the client's example count).
+Working memory: the float64 sum (two fp32 model copies, one float64 tensor each) plus one decoded reply (one copy, none
+for sparse codecs), whatever the number of replies; temporaries are bounded by ``CHUNK``.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import statistics
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-from fedcomp.base import Selector, StageContext
+from fedcomp.base import Selector
 from fedcomp.codec import Codec
 from fedcomp.errors import DecodeError, FedcompError
-from fedcomp.layout import Layout
-from fedcomp.wire import open_payload
+
+CHUNK = 1 << 20  # elements per step of chunked loops: temporaries of 8 MB at most
+MAX_WEIGHT = float(2**53)  # largest weight accepted at all: beyond it counts are not exact in float64
 
 
-_FINITE_CHUNK = 1 << 20
+class AggregationError(FedcompError):
+    """An update or weight cannot be aggregated; the sum is unchanged."""
 
 
-def _all_finite(t: torch.Tensor) -> bool:
-    """torch.isfinite(t).all(), in chunks: no full-size boolean temporary (a quarter of a dense
-    copy at fp32) at the server's peak."""
+class WeightError(AggregationError, ValueError):
+    """A reply's weight (its example count) is not a finite positive number within the cap."""
+
+
+class UpdateRejected(AggregationError):
+    """An update failed a check (non-finite values, norm guard); the reply is dropped."""
+
+
+class AggregateOverflow(AggregationError):
+    """The aggregate does not fit the model's dtype (it would be inf): refused, never returned."""
+
+
+# -- one way to move a reference by a step ------------------------------------------------------
+def _apply_one(r: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    if not r.is_floating_point():
+        if s.is_floating_point():  # a mean of integer tensors: rounded back to the integer dtype
+            return torch.round(r.to(torch.float64) + s.to(r.device, torch.float64)).to(r.dtype)
+        return r + s.to(r.device, r.dtype)
+    wide = torch.promote_types(torch.promote_types(r.dtype, s.dtype if s.is_floating_point() else r.dtype),
+                               torch.float32)
+    if r.numel() <= CHUNK:
+        return (r.to(wide) + s.to(r.device, wide)).to(r.dtype)
+    out = torch.empty_like(r, memory_format=torch.contiguous_format)
+    rf, sf, of = r.reshape(-1), s.reshape(-1), out.view(-1)
+    for i in range(0, rf.numel(), CHUNK):
+        of[i:i + CHUNK] = (rf[i:i + CHUNK].to(wide) + sf[i:i + CHUNK].to(r.device, wide)).to(r.dtype)
+    return out
+
+
+def apply_step(reference: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``reference + step`` in the reference's dtypes, computed the same way everywhere.
+
+    Floats add in ``promote(reference dtype, step dtype, fp32)`` (fp32 for fp32/fp16/bf16
+    models and fp32 steps, float64 for float64 models or float64 steps such as a mean) and are
+    rounded once to the reference's dtype; integer tensors add exactly (a floating step, i.e. a
+    mean, is rounded to the nearest integer). Broadcast references, client models and the
+    server's aggregate all move through this function, so both sides of a broadcast get the
+    same bits (on the same device type). Large tensors go in chunks of ``CHUNK`` elements.
+    """
+    return {name: _apply_one(r, step[name]) for name, r in reference.items()}
+
+
+def _chunks(t: torch.Tensor):
     flat = t.reshape(-1)
-    return all(bool(torch.isfinite(flat[i:i + _FINITE_CHUNK]).all()) for i in range(0, flat.numel(), _FINITE_CHUNK))
+    for i in range(0, flat.numel(), CHUNK):
+        yield flat[i:i + CHUNK]
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(c).all()) for c in _chunks(t))
+
+
+def _sq_norm(t: torch.Tensor) -> float:
+    """Sum of squares in float64, in chunks."""
+    return sum(float(torch.linalg.vector_norm(c, dtype=torch.float64) ** 2) for c in _chunks(t))
+
+
+# -- weights and norms ---------------------------------------------------------------------------
+def check_weight(weight, max_weight: float = 0.0) -> float:
+    """``weight`` as a float if it is a finite number > 0 and at most ``max_weight`` (0: only the
+    hard limit 2**53); :class:`WeightError` naming the value otherwise."""
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+        raise WeightError(f"weight must be a number, got {weight!r}")
+    try:
+        w = float(weight)
+    except OverflowError:
+        raise WeightError(f"weight {str(weight)[:40]} is too large to be a float") from None
+    except (TypeError, ValueError):
+        raise WeightError(f"weight must be a number, got {weight!r}") from None
+    if not math.isfinite(w) or w <= 0:
+        raise WeightError(f"weight must be a finite number > 0, got {w:g}")
+    cap = min(max_weight, MAX_WEIGHT) if max_weight > 0 else MAX_WEIGHT
+    if w > cap:
+        which = f"max_weight={max_weight:g}" if max_weight > 0 and max_weight < MAX_WEIGHT else "the limit 2**53"
+        raise WeightError(f"weight {w:g} exceeds {which}")
+    return w
+
+
+@dataclass
+class NormGuard:
+    """Per-round bound on update norms: absolute, and relative to the round's median norm.
+
+    A reply is rejected when its update's L2 norm exceeds ``max_norm`` (0: no absolute bound)
+    or ``factor`` times the lower median of the norms of the round's valid updates seen so far
+    (this one included; 0: no relative bound). Until ``warmup`` norms are known the relative
+    decision is deferred (:meth:`offer` returns None; :meth:`settle` decides the deferred ones
+    once there are ``warmup`` norms or at the end of the round). A round with one reply is
+    checked against ``max_norm`` only; with two, the smaller norm is the reference. A median of
+    0 (every update zero) bounds nothing. A majority of hostile replies defeats any median.
+    """
+
+    factor: float = 10.0
+    warmup: int = 3
+    max_norm: float = 0.0
+    norms: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "max_norm"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise FedcompError(f"{name}={v!r} is invalid: a finite number >= 0 (0 turns it off)")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 1:
+            raise FedcompError(f"warmup={self.warmup!r} is invalid: a positive integer")
+
+    def reset(self) -> None:
+        self.norms = []
+
+    def bound(self) -> float:
+        """The relative bound now (inf: none yet or off)."""
+        if not self.factor or not self.norms:
+            return math.inf
+        median = statistics.median_low(self.norms)
+        return self.factor * median if median > 0 else math.inf
+
+    def offer(self, norm: float) -> bool | None:
+        """Record a valid update's norm: True (accept), False (reject) or None (decide later)."""
+        if not math.isfinite(norm):
+            raise UpdateRejected(f"update norm is {norm}")
+        if self.max_norm and norm > self.max_norm:
+            return False
+        self.norms.append(norm)
+        if self.factor and len(self.norms) < self.warmup:
+            return None
+        return norm <= self.bound()
+
+    def ready(self) -> bool:
+        """Whether deferred replies can be decided (warm-up reached)."""
+        return not self.factor or len(self.norms) >= self.warmup
+
+    def settle(self, norm: float) -> bool:
+        """Decide a deferred reply with the bound as it stands."""
+        return norm <= self.bound()
+
+    def reason(self, norm: float) -> str:
+        if self.max_norm and norm > self.max_norm:
+            return (f"update norm {norm:.4g} exceeds max_update_norm={self.max_norm:g} (raise max-update-norm "
+                    f"if such updates are legitimate)")
+        return (f"update norm {norm:.4g} exceeds {self.factor:g} x the round's median norm "
+                f"{self.bound() / self.factor:.4g} (norm_factor; 0 turns this guard off)")
+
+
+# -- the streaming sum ---------------------------------------------------------------------------
+@dataclass
+class Update:
+    """One decoded, checked reply, in its compact form.
+
+    ``parts``: (offset in the flat float buffer, positions or None for dense, values) per piece;
+    ``ints``: integer tensors by name (raw). :meth:`norm` is the L2 norm of the float values.
+    """
+
+    parts: list[tuple[int, torch.Tensor | None, torch.Tensor]]
+    ints: dict[str, torch.Tensor]
+    _norm: float | None = None
+    # reducers whose values are small but expand to dense segments (PowerSGD): (offset, expand,
+    # [(name, numel, dtype)]); expanded once to check and measure, once more to add
+    lazy: list[tuple[int, object, list]] = field(default_factory=list)
+
+    def pieces(self):
+        """(offset, positions or None, values) of every part, lazy segments expanded one at a time."""
+        yield from self.parts
+        for start, expand, tensors in self.lazy:
+            y = expand()
+            offset = 0
+            for _, numel, dtype in tensors:  # each tensor in its dtype, as Codec.decode returns it
+                yield start + offset, None, y[offset:offset + numel].to(dtype)
+                offset += numel
+            del y
+
+    def norm(self) -> float:
+        if self._norm is None:
+            total = 0.0
+            for _, _, v in self.pieces():
+                if self.lazy and not _finite(v):
+                    raise UpdateRejected("update has NaN or Inf values")
+                total += _sq_norm(v)
+            self._norm = math.sqrt(total)
+        return self._norm
+
+    def dense(self, layout_offsets: Mapping[str, tuple[int, int]], shapes: Mapping[str, tuple]) -> dict:
+        """Named dense tensors (fp32 values) of this update (for strategies that need models)."""
+        total = sum(n for _, n in layout_offsets.values())
+        flat = torch.zeros(total, dtype=torch.float32, device=self.parts[0][2].device if self.parts else "cpu")
+        for start, idx, vals in self.pieces():
+            if idx is None:
+                flat[start:start + vals.numel()] = vals.reshape(-1)
+            else:
+                flat.index_add_(0, idx + start, vals.float())
+        out = {name: flat[a:a + n].view(shapes[name]) for name, (a, n) in layout_offsets.items()}
+        out.update({name: t.view(shapes[name]) for name, t in self.ints.items()})
+        return out
 
 
 class Accumulator:
@@ -53,153 +250,206 @@ class Accumulator:
         Where the running sum lives and replies are decoded.
     """
 
-    def __init__(self, codec, layout: Layout, device: torch.device | str = "cpu") -> None:
+    def __init__(self, codec, layout, device: torch.device | str = "cpu") -> None:
         self.codec = codec
         self.layout = layout
         self.device = torch.device(device)
-        self.total_weight = 0.0
-        self.count = 0  # replies added
-        # float tensors, in layout order, share one flat buffer: a global segment is one slice
         self._offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for t in layout.tensors:
             if t.is_float:
                 self._offsets[t.name] = (offset, t.numel)
                 offset += t.numel
-        self._sum = torch.zeros(offset, dtype=torch.float32, device=self.device)
-        # integer tensors (step counters...) average in float64 and are rounded back in mean()
-        self._ints = {t.name: torch.zeros(t.shape, dtype=torch.float64, device=self.device)
-                      for t in layout.tensors if not t.is_float}
+        self._numel = offset
+        self._shapes = {t.name: t.shape for t in layout.tensors}
+        self._by_start = {start: name for name, (start, _) in self._offsets.items()}
+        self._starts = torch.tensor([start for start, _ in self._offsets.values()] + [offset], dtype=torch.int64)
+        # one float64 sum per tensor (freed tensor by tensor when the mean is applied)
+        self._sums: dict[str, torch.Tensor] | None = None
+        self._ints: dict[str, torch.Tensor] = {}
+        self._spent = False
         reducer = getattr(codec, "reducer", None)
         # scatter-add path: a selector whose dense form is "values at positions, zero elsewhere"
-        self._sparse = (
+        self.sparse = (
             isinstance(codec, Codec) and isinstance(reducer, Selector) and type(reducer).expand is Selector.expand
         )
+        self.reset()
 
-    # -- adding -----------------------------------------------------------------------------
-    def add(self, payload: bytes, weight: float, *, round: int = 0) -> None:
-        """Decode one reply and add ``weight`` times its update to the sum.
+    # -- decoding ------------------------------------------------------------------------------
+    def decode(self, payload: bytes, *, round: int = 0, codec=None) -> Update:
+        """Read and check one reply (``codec``: a budgeted client's own codec of the same family).
 
-        Raises
-        ------
-        DecodeError
-            Malformed payload (as :meth:`Codec.decode`); the sum is unchanged.
-        FedcompError
-            Non-finite decoded values or an invalid weight; the sum is unchanged.
+        Raises :class:`fedcomp.DecodeError` for a malformed payload and :class:`UpdateRejected`
+        for non-finite values.
         """
-        weight = self._check_weight(weight)
-        if self._sparse:
-            parts, ints = self._decode_sparse(payload, round)
-            for start, idx, vals in parts:
-                if not _all_finite(vals):
-                    raise FedcompError("update has NaN or Inf values")
-            self._check_ints(ints)
-            for start, idx, vals in parts:
-                self._sum.index_add_(0, idx + start if start else idx, vals, alpha=weight)
-            self._add_ints(ints, weight)
+        codec = self.codec if codec is None else codec
+        sparse = self.sparse if codec is self.codec else self._is_sparse(codec)
+        if sparse:
+            read, raw = codec.decode_parts(payload, self.layout, self.device, round=round)
+            parts = []
+            for seg, group, idx, vals in read:
+                if vals.numel() != idx.numel():
+                    raise DecodeError(f"{vals.numel()} values for {idx.numel()} positions")
+                parts.append((self._offsets[self.layout.tensors[group[0]].name][0], idx, vals))
+            ints = {self.layout.tensors[i].name: t for i, t in raw.items()}
+        elif isinstance(codec, Codec) and codec.reducer is not None:
+            # values are small (factors, sketch cells); segments expand one at a time
+            read, raw = codec.decode_parts(payload, self.layout, self.device, round=round)
+            lazy = []
+            for seg, group, aux, vals in read:
+                tensors = [(self.layout.tensors[i].name, self.layout.tensors[i].numel, self.layout.tensors[i].torch_dtype)
+                           for i in group]
+                expand = (lambda v=vals, a=aux, g=seg: codec.reducer.expand(v, a, g))
+                lazy.append((self._offsets[tensors[0][0]][0], expand, tensors))
+            update = Update([], {self.layout.tensors[i].name: t for i, t in raw.items()}, lazy=lazy)
+            update.norm()  # expands each segment once: non-finite values raise here, before adding
+            return update
         else:
-            decoded = self.codec.decode(payload, self.layout, self.device, round=round)
-            self.add_dense(decoded, weight)
-            return  # add_dense counted the weight
-        self.total_weight += weight
-        self.count += 1
+            decoded = codec.decode(payload, self.layout, self.device, round=round)
+            return self.dense_update(decoded)
+        for _, _, vals in parts:
+            if not _finite(vals):
+                raise UpdateRejected("update has NaN or Inf values")
+        return Update(parts, ints)
 
-    def add_dense(self, tensors: Mapping[str, torch.Tensor], weight: float) -> None:
-        """Add ``weight`` times a dense update (named tensors matching the layout)."""
-        weight = self._check_weight(weight)
+    def dense_update(self, tensors: Mapping[str, torch.Tensor]) -> Update:
+        """An :class:`Update` of named dense tensors matching the layout (checked like payloads)."""
         missing = [n for n in self.layout.names if n not in tensors]
         if missing:
-            raise FedcompError(f"update lacks tensors {missing[:3]} of the layout")
+            raise AggregationError(f"update lacks tensors {missing[:3]} of the layout")
+        parts = []
         for name, (start, numel) in self._offsets.items():
             t = tensors[name]
             if t.numel() != numel:
-                raise FedcompError(f"update of {name!r} has {t.numel()} elements, the layout says {numel}")
-            if not _all_finite(t):
-                raise FedcompError(f"update of {name!r} has NaN or Inf values")
-        self._check_ints({n: tensors[n] for n in self._ints})
-        for name, (start, numel) in self._offsets.items():
-            t = tensors[name].reshape(-1).to(self.device)
-            self._sum[start:start + numel].add_(t, alpha=weight)  # add_ promotes fp16/bf16 in place
-        self._add_ints({n: tensors[n] for n in self._ints}, weight)
-        self.total_weight += weight
+                raise AggregationError(f"update of {name!r} has {t.numel()} elements, the layout says {numel}")
+            if not _finite(t):
+                raise UpdateRejected(f"update of {name!r} has NaN or Inf values")
+            parts.append((start, None, t))
+        ints = {}
+        for spec in self.layout.tensors:
+            if spec.is_float:
+                continue
+            t = tensors[spec.name]
+            if t.numel() != spec.numel:
+                raise AggregationError(f"update of {spec.name!r} has {t.numel()} elements, the layout says {spec.numel}")
+            ints[spec.name] = t
+        return Update(parts, ints)
+
+    def _is_sparse(self, codec) -> bool:
+        reducer = getattr(codec, "reducer", None)
+        return isinstance(codec, Codec) and isinstance(reducer, Selector) and type(reducer).expand is Selector.expand
+
+    # -- adding --------------------------------------------------------------------------------
+    def add_update(self, update: Update, weight: float) -> None:
+        """Add ``weight * update`` (weight checked by :func:`check_weight`)."""
+        w = check_weight(weight)
+        if self._spent:
+            raise AggregationError("the accumulator's mean was taken; reset() it before adding")
+        if not math.isfinite(self.total_weight + w):
+            raise AggregateOverflow(f"total weight {self.total_weight:g} + {w:g} overflows")
+        if self._sums is None:  # allocated at the first reply of a round, freed by apply_mean
+            self._sums = {name: torch.zeros(numel, dtype=torch.float64, device=self.device)
+                          for name, (_, numel) in self._offsets.items()}
+            self._ints = {t.name: torch.zeros(t.shape, dtype=torch.float64, device=self.device)
+                          for t in self.layout.tensors if not t.is_float}
+        for start, idx, vals in update.pieces():
+            if idx is not None:
+                self._scatter(idx.to(self.device) + start if start else idx.to(self.device), vals, w)
+                continue
+            target = self._sums[self._by_start[start]]
+            flat = vals.reshape(-1)
+            for i in range(0, flat.numel(), CHUNK):  # the float64 temporaries stay chunk-sized
+                piece = flat[i:i + CHUNK]
+                target[i:i + piece.numel()].add_(piece.to(self.device), alpha=w)
+        for name, t in update.ints.items():
+            self._ints[name].add_(t.to(self.device, torch.float64).view(self._ints[name].shape), alpha=w)
+        self.total_weight += w
         self.count += 1
 
-    # -- results ----------------------------------------------------------------------------
+    def _scatter(self, pos: torch.Tensor, vals: torch.Tensor, w: float) -> None:
+        """Scatter-add values at flat positions (over all float tensors) into the per-tensor sums."""
+        if pos.numel() > 1 and not bool((pos[1:] >= pos[:-1]).all()):
+            order = torch.argsort(pos)
+            pos, vals = pos[order], vals[order]
+        cuts = torch.searchsorted(pos, self._starts.to(pos.device)).tolist()
+        for (name, (start, _)), a, b in zip(self._offsets.items(), cuts[:-1], cuts[1:]):
+            if b > a:
+                self._sums[name].index_add_(0, pos[a:b] - start, vals[a:b].to(self.device, torch.float64), alpha=w)
+
+    def add(self, payload: bytes, weight: float, *, round: int = 0) -> None:
+        """Decode one reply and add ``weight`` times its update; on any error the sum is unchanged."""
+        check_weight(weight)
+        self.add_update(self.decode(payload, round=round), weight)
+
+    def add_dense(self, tensors: Mapping[str, torch.Tensor], weight: float) -> None:
+        """Add ``weight`` times a dense update (named tensors matching the layout)."""
+        check_weight(weight)
+        self.add_update(self.dense_update(tensors), weight)
+
+    # -- results -------------------------------------------------------------------------------
+    def _need(self) -> None:
+        if self._spent:
+            raise AggregationError("the accumulator's mean was taken already; reset() it for the next round")
+        if not self.total_weight > 0 or self._sums is None:
+            raise AggregationError(f"no weight to average over (total weight {self.total_weight}, {self.count} replies)")
+
     def sum(self) -> dict[str, torch.Tensor]:
-        """The weighted sum so far, per tensor (fp32 for float tensors, float64 for integer ones)."""
-        out = {}
-        for t in self.layout.tensors:
-            if t.is_float:
-                start, numel = self._offsets[t.name]
-                out[t.name] = self._sum[start:start + numel].view(t.shape).clone()
-            else:
-                out[t.name] = self._ints[t.name].clone()
-        return out
+        """The weighted sum so far, per tensor (float64)."""
+        if self._spent:
+            raise AggregationError("the accumulator's mean was taken already; reset() it for the next round")
+        if self._sums is None:
+            return {t.name: torch.zeros(t.shape, dtype=torch.float64, device=self.device) for t in self.layout.tensors}
+        return {t.name: (self._sums[t.name] if t.is_float else self._ints[t.name]).view(t.shape).clone()
+                for t in self.layout.tensors}
 
     def mean(self) -> dict[str, torch.Tensor]:
-        """Weighted mean of the updates added, in the layout's order and dtypes (integer tensors
-        rounded to the nearest integer)."""
-        if not self.total_weight > 0:
-            raise FedcompError(f"no weight to average over (total weight {self.total_weight}, {self.count} replies)")
+        """Weighted mean of the updates added, in the layout's dtypes (integer tensors rounded);
+        :class:`AggregateOverflow` where a value does not fit its dtype."""
+        self._need()
         out = {}
         for t in self.layout.tensors:
             if t.is_float:
-                start, numel = self._offsets[t.name]
-                out[t.name] = (self._sum[start:start + numel] / self.total_weight).view(t.shape).to(t.torch_dtype)
+                out[t.name] = (self._sums[t.name] / self.total_weight).view(t.shape).to(t.torch_dtype)
             else:
                 out[t.name] = torch.round(self._ints[t.name] / self.total_weight).to(t.torch_dtype)
+        self._check_finite(out)
         return out
 
+    def apply_mean(self, reference: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``reference + weighted mean`` in the reference's dtypes (:func:`apply_step`).
+
+        Tensor by tensor, the mean is formed in place in its float64 sum, applied, and the sum
+        freed: the peak is the sums plus one tensor. Call :meth:`reset` before the next round.
+        """
+        self._need()
+        sums, ints, total = self._sums, self._ints, self.total_weight
+        self._sums, self._ints, self._spent = None, {}, True
+        out = {}
+        for t in self.layout.tensors:
+            if t.is_float:
+                mean = sums.pop(t.name).div_(total).view(t.shape)
+            else:
+                mean = ints.pop(t.name) / total
+            out[t.name] = _apply_one(reference[t.name], mean)
+            del mean
+        self._check_finite(out)
+        return out
+
+    @staticmethod
+    def _check_finite(out: Mapping[str, torch.Tensor]) -> None:
+        for name, t in out.items():
+            if t.is_floating_point() and not _finite(t):
+                raise AggregateOverflow(f"the aggregate of {name!r} does not fit {t.dtype} (it would be inf)")
+
     def reset(self) -> None:
-        """Zero the sum for the next round (the buffers are reused)."""
-        self._sum.zero_()
-        for v in self._ints.values():
-            v.zero_()
+        """An empty sum for the next round (buffers are allocated at the first reply)."""
+        if self._sums is not None:
+            for v in (*self._sums.values(), *self._ints.values()):
+                v.zero_()
+        self._spent = False
         self.total_weight = 0.0
         self.count = 0
 
-    # -- internals --------------------------------------------------------------------------
-    @staticmethod
-    def _check_weight(weight: float) -> float:
-        try:
-            w = float(weight)
-        except (TypeError, ValueError):
-            raise FedcompError(f"weight must be a number, got {weight!r}") from None
-        if not (math.isfinite(w) and w >= 0):
-            raise FedcompError(f"weight must be finite and >= 0, got {weight!r}")
-        return w
-
-    def _check_ints(self, ints: Mapping[str, torch.Tensor]) -> None:
-        for name, t in ints.items():
-            if t.numel() != self._ints[name].numel():
-                raise FedcompError(f"update of {name!r} has {t.numel()} elements, the layout says {self._ints[name].numel()}")
-
-    def _add_ints(self, ints: Mapping[str, torch.Tensor], weight: float) -> None:
-        for name, t in ints.items():
-            self._ints[name].add_(t.to(self.device, torch.float64).view(self._ints[name].shape), alpha=weight)
-
-    def _decode_sparse(self, payload: bytes, round: int):
-        """(segment start, positions, values) per segment and the raw integer tensors, read the
-        way :meth:`Codec.decode` reads them, without expanding to dense."""
-        codec: Codec = self.codec
-        src, nonce = open_payload(payload, self.layout.fingerprint(), codec.fingerprint)
-        ctx = StageContext(nonce, round)
-        try:
-            parts = []
-            for seg, group in codec.segments(self.layout):
-                idx = codec.reducer.read(src, seg, ctx, self.device)
-                vals = codec.quantizer.decode(src, codec.reducer.value_count(idx, seg), self.device)
-                if vals.numel() != idx.numel():
-                    raise DecodeError(f"{vals.numel()} values for {idx.numel()} positions")
-                start = self._offsets[self.layout.tensors[group[0]].name][0]
-                parts.append((start, idx, vals.float()))
-            ints = {}
-            for spec in self.layout.tensors:
-                if not spec.is_float:
-                    ints[spec.name] = src.tensor(spec.numel, spec.torch_dtype)
-            src.finish()
-        except FedcompError:
-            raise
-        except (RuntimeError, ValueError, IndexError, OverflowError) as exc:
-            raise DecodeError(f"malformed payload: {exc}") from exc
-        return parts, ints
+    def to_dense(self, update: Update) -> dict[str, torch.Tensor]:
+        """Named dense fp32 tensors of an update (integer tensors raw)."""
+        return update.dense(self._offsets, self._shapes)

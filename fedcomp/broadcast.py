@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fedcomp.aggregate import apply_step  # noqa: F401  (re-exported: the one way to apply a step)
 from fedcomp.codec import Codec, derive_nonce
 from fedcomp.errors import FedcompError, SpecError
 from fedcomp.layout import Layout
@@ -77,18 +78,6 @@ def reference_crc(tensors: Mapping[str, torch.Tensor]) -> int:
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # fp32, or float64 for float64 tensors
-
-
-def apply_step(reference: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``reference + step`` as both sides compute it (on the CPU, floats in at least fp32, then
-    back to their dtype), so that both get the same bits."""
-    out = {}
-    for name, r in reference.items():
-        if r.is_floating_point():
-            out[name] = (r.to(_wide(r.dtype)) + step[name].to(_wide(r.dtype))).to(r.dtype)
-        else:
-            out[name] = r + step[name].to(r.dtype)
-    return out
 
 
 def parse_tiers(spec: str) -> list[str]:
@@ -223,6 +212,12 @@ class Tier:
         """
         if held is not None:
             crc = held[2]
+            last = self.history[-1] if self.history else None
+            if (last is not None and crc == self.crc and held[0] == self.index and held[1] == self.version
+                    == last.round):
+                # already current (federated evaluation sent it this step): the last step again,
+                # which a client holding its result applies as nothing (see apply_plan)
+                return Plan(self.index, "chain", (last.payload,), (last.round,), last.base_crc, self.crc)
             starts = [i for i, s in enumerate(self.history) if s.base_crc == crc]
             if starts:
                 steps = list(self.history)[starts[-1]:]

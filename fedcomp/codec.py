@@ -284,6 +284,12 @@ class Codec:
         """The reducer's values per segment, before expansion (for linear codecs: sum, then expand)."""
         return self._decode(payload, layout, torch.device(device), 0, expand=False)
 
+    def decode_parts(self, payload: bytes, layout: Layout, device: torch.device | str = "cpu", *, round: int = 0):
+        """Read and check a whole payload without expanding it (what :meth:`decode` reads before it
+        builds dense tensors): ``([(segment, layout positions, aux, values)], {position: raw tensor})``
+        where ``aux`` is the reducer's side information (a selector's kept positions)."""
+        return self._decode(payload, layout, torch.device(device), round, expand=None)
+
     def expand(self, values: list[torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
         """Dense tensors from per-segment values (e.g. a sum of sketches)."""
         if self.reducer is None:
@@ -316,6 +322,8 @@ class Codec:
                 read.append((seg, group, aux, self.quantizer.decode(src, self.reducer.value_count(aux, seg), device)))
         raw = {i: src.tensor(spec.numel, spec.torch_dtype) for i, spec in enumerate(layout.tensors) if not spec.is_float}
         src.finish()
+        if expand is None:
+            return read, raw
         if not expand:
             return [vals for _, _, _, vals in read]
         decoded: list[torch.Tensor | None] = [None] * len(layout.tensors)

@@ -75,3 +75,18 @@ ENCODE_STATE = "fedcomp.encode-seconds"  # Context.state: ConfigRecord {"s": rec
 ACK_ROUND = "ack-round"  # int (server -> client): round of this node's last reply that reached the aggregate
 PENDING_STATE = "fedcomp.pending"  # Context.state: the update the client sent last (as the server decodes it)
 PENDING_INFO_STATE = "fedcomp.pending-info"  # Context.state: ConfigRecord {"round": round it was sent in}
+
+# -- payloads bound to their round (client -> server, in UPLOAD_RECORD) --
+REPLY_ROUND = "reply-round"  # int: the ROUND of the broadcast this reply answers; the server drops a mismatch
+
+# -- federated evaluation through the broadcast protocol --
+# A client whose train replies list EVALUATE_CAPABILITY in CAPABILITIES gets its evaluate messages
+# like train messages: the strategy's records plus DOWNLOAD_RECORD {MODE, PAYLOADS, ROUNDS, BASE_CRC,
+# REF_CRC, TIER, TIERS, TIER_KBPS, LAYOUT, DOWNLOAD_SPEC, SEED, ROUND, ARRAYS_KEY, KIND="evaluate"}
+# and no ArrayRecord; it applies the plan (storing the reference as for training), puts the reference
+# under ARRAYS_KEY, calls the app, and returns the app's reply with UPLOAD_RECORD {TIER, REF_VERSION,
+# REF_CRC, WANT_TIER} added (no PAYLOAD); {RESYNC, WANT_TIER} alone when the plan cannot be applied
+# (the app is not called). Other clients get the dense model, counted in the same byte totals.
+CAPABILITIES = "capabilities"  # list[str] (client -> server, in UPLOAD_RECORD of train replies)
+EVALUATE_CAPABILITY = "evaluate"  # the client's mod handles evaluate broadcasts as described above
+KIND = "kind"  # str (server -> client, in DOWNLOAD_RECORD): "train" (absent) or "evaluate"

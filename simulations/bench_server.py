@@ -1,14 +1,19 @@
-"""Server-scale benchmark: decode + aggregate N client replies of a 10M-parameter model.
+"""Server-scale benchmark: the ServerApp's aggregation of N replies of a 10M-parameter model.
 
 For each codec the parent process encodes a few distinct client updates of a synthetic
 10M-parameter model (random normal, fp32, four weight matrices, biases and an int64 counter)
 and writes N replies (copies cycling over them) to a file. For each N a fresh child process
-reads the N payloads into memory (as a server holds the messages it received), resets the
-kernel's peak-RSS mark (``/proc/self/clear_refs``), streams every payload through
-:class:`fedcomp.aggregate.Accumulator` and takes the weighted mean, then reports:
+runs round 1 of :class:`fedcomp.strategies.CompressedStrategy` around FedAvg (what the
+project's ServerApp runs): ``configure_train`` broadcasts to N nodes, the N replies are built
+as real Flower Messages answering them (the records ``compression_mod`` sends, payloads held in
+memory as a server holds the messages it received), the kernel's peak-RSS mark is reset
+(``/proc/self/clear_refs``), and ``aggregate_train`` counts, checks (weights, replay, norm
+guard), decodes and adds every reply (:mod:`fedcomp.aggregate`; FetchSGD for the sketch) and
+returns the new model. Reported:
 
-* peak RSS during aggregation above the RSS before the payloads were read, minus the payloads'
-  own bytes, in dense model copies (target: <= 3, flat in N);
+* working memory: peak RSS during ``aggregate_train`` above the RSS before it (payloads, the
+  strategy's model and broadcast reference already held), in dense model copies (target:
+  <= 3, flat in N);
 * seconds per client.
 
 With ``--naive`` it also runs decode-all-then-average (every dense update held until the end)
@@ -16,6 +21,7 @@ for the smallest N, for contrast.
 
     python -m fedcomp.simulations.bench_server                       # 50/100/200 clients, 10M parameters
     python -m fedcomp.simulations.bench_server --params 200000 --clients 4 8 --json out.json   # tiny
+    python -m fedcomp.simulations.bench_server --quick                  # seconds: what tests/test_bench.py runs
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ DEFAULT_CODECS = (
     "topk(ratio=0.01)+qsgd(bits=4)",
     "dgc(ratio=0.001)+qsgd(bits=4)",
     "kbit(bits=4)",
+    "qsgd(bits=4)",
     "powersgd(rank=2)",
+    "sketch(rows=1,cols=200000,ratio=0.01)",
 )
 
 
@@ -77,49 +85,96 @@ def _reset_peak() -> bool:
         return False
 
 
+class _Nodes:
+    """The part of a Flower Grid that ``configure_train`` uses: the connected node ids."""
+
+    def __init__(self, n: int) -> None:
+        self.ids = list(range(1, n + 1))
+
+    def get_node_ids(self):
+        return self.ids
+
+
+def _strategy(spec: str, n: int):
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedcomp.strategies import CompressedStrategy
+
+    inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=n, min_train_nodes=n)
+    return CompressedStrategy(inner, upload=spec, download="none()", streaming=True)
+
+
 def child(path: str, spec: str, params: int, naive: bool) -> dict:
-    """Runs in a fresh process: read the payloads, then aggregate them and measure."""
+    """Runs in a fresh process: a round of ``CompressedStrategy`` with N replies read from ``path``.
+
+    The strategy broadcasts round 1 (configure_train), the N replies are built as the client mod
+    sends them (real Flower Messages answering the broadcasts), then the peak-RSS mark is reset
+    and ``aggregate_train`` counts, checks, decodes and adds every reply and returns the model.
+    """
     import gc
 
     import torch
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
 
     import fedcomp
-    from fedcomp.aggregate import Accumulator
+    from fedcomp import protocol as P
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1  # what a Flower process sets
     shapes = model_shapes(params)
-    layout = fedcomp.Layout.of(_make_update(shapes, 0))
-    codec = fedcomp.build_codec(spec)
-    gc.collect()
-    rss_before = _rss_kb("VmRSS")
+    model = _make_update(shapes, 0)
+    layout = fedcomp.Layout.of(model)
     payloads = []
     with open(path, "rb") as f:
         while head := f.read(4):
             (n,) = struct.unpack("<I", head)
             payloads.append(f.read(n))
     payload_bytes = sum(len(p) for p in payloads)
-    gc.collect()
-    exact_peak = _reset_peak()
-    t0 = time.perf_counter()
     if naive:  # decode everything, then average (what a non-streaming server does)
+        codec = fedcomp.build_codec(spec)
+        gc.collect()
+        rss_before = _rss_kb("VmRSS")
+        exact_peak = _reset_peak()
+        t0 = time.perf_counter()
         decoded = [codec.decode(p, layout) for p in payloads]
         mean = {n: sum(d[n].float() for d in decoded) / len(decoded) for n in layout.names}
+        replies = []
     else:
-        acc = Accumulator(codec, layout)
-        for i, p in enumerate(payloads):
-            acc.add(p, 1.0 + (i % 3))
-        mean = acc.mean()
+        strategy = _strategy(spec, len(payloads))
+        messages = list(strategy.configure_train(1, ArrayRecord(model), ConfigRecord({}), _Nodes(len(payloads))))
+        crc = strategy.tiers[0].crc
+        replies = []
+        for i, (msg, p) in enumerate(zip(messages, payloads)):  # the records compression_mod sends
+            upload = ConfigRecord({P.PAYLOAD: p, P.ARRAYS_KEY: "arrays", P.DELTA_REF: 0, P.TIER: 0,
+                                   P.REF_VERSION: 1, P.REF_CRC: crc, P.WANT_TIER: 0})
+            reply = Message(RecordDict({P.UPLOAD_RECORD: upload,
+                                        "metrics": MetricRecord({"num-examples": 1 + (i % 3), "train_loss": 0.5})}),
+                            reply_to=msg)
+            replies.append(reply)
+        del messages, model
+        gc.collect()
+        rss_before = _rss_kb("VmRSS")
+        exact_peak = _reset_peak()
+        t0 = time.perf_counter()
+        arrays, _ = strategy.aggregate_train(1, replies)
+        stats = strategy.rounds[1]
+        if stats.aggregated != len(payloads):
+            raise RuntimeError(f"{stats.aggregated} of {len(payloads)} replies aggregated: "
+                               f"{[c['status'] for c in stats.clients if c['status'] != 'ok'][:3]}")
+        mean = arrays.to_torch_state_dict()
     elapsed = time.perf_counter() - t0
     peak = _rss_kb("VmHWM") if exact_peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     dense = layout.dense_bytes()
-    extra = peak * 1024 - rss_before * 1024 - payload_bytes
-    assert all(bool(torch.isfinite(t.float()).all()) for t in mean.values())
+    extra = peak * 1024 - rss_before * 1024
+    if not all(bool(torch.isfinite(t.float()).all()) for t in mean.values()):
+        raise RuntimeError("aggregate is not finite")
     return {
         "codec": spec, "clients": len(payloads), "naive": naive, "params": layout.numel,
         "dense_bytes": dense, "payload_bytes": payload_bytes,
-        "peak_above_base_bytes": peak * 1024 - rss_before * 1024,
-        "working_bytes": extra, "working_dense_copies": extra / dense,
+        "peak_above_base_bytes": extra, "working_bytes": extra, "working_dense_copies": extra / dense,
         "seconds": elapsed, "seconds_per_client": elapsed / len(payloads), "exact_peak": exact_peak,
+        "path": "decode-all" if naive else "CompressedStrategy.aggregate_train",
     }
 
 
@@ -135,7 +190,7 @@ def run(codecs, clients, params, distinct, naive) -> list[dict]:
             codec = fedcomp.build_codec(spec)
             base = []
             for i in range(distinct):
-                enc = codec.encode(_make_update(shapes, i + 1), nonce=i + 1, round=5, state={})
+                enc = codec.encode(_make_update(shapes, i + 1), nonce=i + 1, round=1, state={})
                 base.append(enc.payload)
             counts = sorted(set(clients))
             runs = [(n, False) for n in counts] + ([(counts[0], True)] if naive else [])
@@ -145,10 +200,12 @@ def run(codecs, clients, params, distinct, naive) -> list[dict]:
                     for i in range(n):
                         p = base[i % len(base)]
                         f.write(struct.pack("<I", len(p)) + p)
+                # large blocks straight from (and back to) the kernel: RSS then follows live memory
+                env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
                 out = subprocess.run(
                     [sys.executable, "-m", "fedcomp.simulations.bench_server", "--child", path, "--spec", spec,
                      "--params", str(params)] + (["--naive"] if is_naive else []),
-                    capture_output=True, text=True, check=False,
+                    capture_output=True, text=True, check=False, env=env,
                 )
                 if out.returncode != 0:
                     raise RuntimeError(f"child for {spec} x {n} failed:\n{out.stderr[-3000:]}")
@@ -170,12 +227,15 @@ def main(argv=None) -> None:
     ap.add_argument("--distinct", type=int, default=4, help="distinct client updates encoded (replies cycle over them)")
     ap.add_argument("--naive", action="store_true", help="also run decode-all-then-average at the smallest N")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 2 and 4 clients, top-k only (smoke test)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.spec, args.params, args.naive)))
         return
+    if args.quick:
+        args.params, args.clients, args.codecs, args.distinct = 50_000, [2, 4], ["topk(ratio=0.01)+qsgd(bits=4)"], 2
     shapes = model_shapes(args.params)
     total = sum(math.prod(s) for s in shapes.values()) + 1
     print(f"model: {total:,} parameters ({total * 4 / 1e6:.1f} MB dense fp32); target: working memory <= 3 dense "

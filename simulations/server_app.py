@@ -103,6 +103,11 @@ def validate_run_config(run_config) -> dict:
     return cfg
 
 
+def _ratio(value: float | None) -> str:
+    """``12.3x``, or ``n/a`` when nothing was sent (never ``nan``)."""
+    return "n/a" if value is None else f"{value:.1f}x"
+
+
 def _aggregation(cfg: dict) -> str:
     """'auto' aggregates linear codecs (sketches) in compressed space (FetchSGD), others decoded."""
     if cfg["aggregation"] != "auto":
@@ -124,7 +129,7 @@ def main(grid: Grid, context: Context) -> None:
         download=str(cfg["download"]),
         error_feedback=bool(cfg["error-feedback"]),
         seed=seed,
-        aggregation=_aggregation(cfg),
+        aggregation=str(cfg["aggregation"]),
         server_momentum=float(cfg["server-momentum"]),
         delta=float(cfg["delta"]),
         download_tier_kbps=str(cfg["download-tier-kbps"]),
@@ -149,14 +154,17 @@ def main(grid: Grid, context: Context) -> None:
             "upload_bytes": s.upload_bytes, "download_bytes": s.download_bytes,
             "upload_bytes_dense": s.upload_bytes_dense, "download_bytes_dense": s.download_bytes_dense,
             "download_bytes_by_tier": {str(t): b for t, b in sorted(s.download_bytes_by_tier.items())},
-            "broadcast_encodes": s.encodes, "downloads": s.downloads,
+            "broadcast_encodes": s.encodes, "downloads": s.downloads, "aggregated": s.aggregated,
             "clients": s.clients, "sim_time_s": s.sim_time_s, "links": s.links,
+            "evaluate_download_bytes": s.evaluate_download_bytes,
+            "evaluate_download_bytes_dense": s.evaluate_download_bytes_dense,
+            "evaluate_reply_bytes": s.evaluate_reply_bytes, "evaluate_clients": s.evaluate_clients,
         }
         rounds.append(row)
-        up_ratio = s.upload_bytes_dense / s.upload_bytes if s.upload_bytes else float("nan")
-        down_ratio = s.download_bytes_dense / s.download_bytes if s.download_bytes else float("nan")
-        log(INFO, "fedcomp round %3d | acc %.4f | loss %.4f | up %9d B (%.1fx less than dense) | down %9d B (%.1fx)%s",
-            server_round, accuracy, loss, s.upload_bytes, up_ratio, s.download_bytes, down_ratio,
+        log(INFO, "fedcomp round %3d | acc %.4f | loss %.4f | up %9d B (%s less than dense) | down %9d B (%s)%s%s",
+            server_round, accuracy, loss, s.upload_bytes, _ratio(s.upload_ratio), s.download_bytes,
+            _ratio(s.download_ratio),
+            f" | eval down {s.evaluate_download_bytes} B up {s.evaluate_reply_bytes} B" if s.evaluate_clients else "",
             "" if s.sim_time_s is None else f" | sim {s.sim_time_s:.2f} s")
         results.write_results(out_dir, cfg, rounds)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
@@ -173,5 +181,6 @@ def main(grid: Grid, context: Context) -> None:
         results.plot_accuracy_vs_upload(rounds, out_dir / "accuracy_vs_upload.png", label=str(cfg["upload"]))
         total_up = sum(r["upload_bytes"] for r in rounds)
         total_dense = sum(r["upload_bytes_dense"] for r in rounds)
-        log(INFO, "fedcomp: final accuracy %.4f, uploads %d B (%.1fx less than dense); wrote %s",
-            rounds[-1]["accuracy"], total_up, total_dense / max(total_up, 1), out_dir)
+        log(INFO, "fedcomp: final accuracy %.4f, uploads %d B (%s less than dense); wrote %s",
+            rounds[-1]["accuracy"], total_up, _ratio(total_dense / total_up if total_up and total_dense else None),
+            out_dir)

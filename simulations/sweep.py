@@ -1,19 +1,20 @@
 """Accuracy against bytes: every codec on the default digits task, in-process, without Flower's engine.
 
-The federated loop is the one ``flwr run .`` runs (``clients/app.py`` + ``clients/mod.py`` +
-``strategies/app.py``), replayed in one process so a 100-round sweep of many codecs fits on two
+The federated loop is the one ``flwr run .`` runs (``simulations/client_app.py`` + ``clients/mod.py`` +
+``simulations/server_app.py``), replayed in one process so a 100-round sweep of many codecs fits on two
 cores:
 
 1. Same task: ``fedcomp.simulations.task`` data split, Dirichlet partitions (alpha 0.5), model, local
    SGD (1 epoch, lr 0.3, batch 32) and the same training seeds per (round, partition).
 2. Each client trains from the global model, computes its update, and calls
    :func:`fedcomp.compress` with its own residual and codec state (error feedback on or off).
-3. The server streams the replies through :class:`fedcomp.aggregate.Accumulator`, weighted by
-   the clients' example counts (FedAvg), and adds the mean update to the global model;
+3. The server streams the replies through :class:`fedcomp.aggregate.Accumulator` (the running
+   sum ``CompressedStrategy`` uses), weighted by the clients' example counts (FedAvg), and moves
+   the global model by the mean (:meth:`~fedcomp.aggregate.Accumulator.apply_mean`);
    accuracy is measured on the held-out digits after every round.
 4. Bytes are Flower message bytes: each reply is built as the ``RecordDict`` the client mod
    sends (``fedcomp.upload`` ConfigRecord with the payload, plus the app's MetricRecord) and
-   sized with ``fedcomp.strategies.wrapper.message_bytes``; the dense reference is the same reply with
+   sized with ``fedcomp.msgsize.message_bytes``; the dense reference is the same reply with
    the model as an ArrayRecord. Downloads are the broadcast records the wrapper sends
    (``download='none()'``).
 
@@ -70,7 +71,7 @@ def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dic
     from fedcomp import protocol as P
     from fedcomp.aggregate import Accumulator
     from fedcomp.simulations import task
-    from fedcomp.strategies.wrapper import message_bytes
+    from fedcomp.msgsize import message_bytes
 
     cfg = {**DEFAULTS, **(cfg or {})}
     torch.set_num_threads(1)
@@ -124,8 +125,7 @@ def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dic
                 dense_reply = message_bytes(RecordDict({"arrays": ArrayRecord(trained), "metrics": metrics}))
             up_dense += dense_reply  # the model record dominates; metrics differ by a few bytes per client
             acc.add(encoded.payload, float(x.shape[0]), round=rnd)
-        mean = acc.mean()
-        global_state = {k: (global_state[k].float() + mean[k].float()).to(global_state[k].dtype) for k in layout.names}
+        global_state = acc.apply_mean(global_state)  # what CompressedStrategy does with a FedAvg round
         model.load_state_dict(global_state)
         loss, accuracy = task.evaluate(model, x_test, y_test, device="cpu")
         rows.append({"round": rnd, "accuracy": accuracy, "loss": loss, "upload_bytes": up,

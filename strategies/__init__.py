@@ -1,5 +1,9 @@
-"""Flower server side of fedcomp: the strategy wrapper and the project's ServerApp."""
+"""Flower server side of fedcomp: the strategy wrapper around the core's aggregation."""
 
-from fedcomp.strategies.wrapper import CompressedStrategy, RoundStats, message_bytes
+from fedcomp.msgsize import message_bytes
+from fedcomp.strategies.config import CompressionConfig
+from fedcomp.strategies.replies import MissingCompressionMod, NoUsableReplies
+from fedcomp.strategies.wrapper import CompressedStrategy, RoundStats
 
-__all__ = ["CompressedStrategy", "RoundStats", "message_bytes"]
+__all__ = ["CompressedStrategy", "CompressionConfig", "RoundStats", "message_bytes", "MissingCompressionMod",
+           "NoUsableReplies"]

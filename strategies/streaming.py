@@ -4,11 +4,12 @@ Flower's ``Grid.send_and_receive`` pushes a round's messages and returns only wh
 is in (or the timeout passed); the strategy then decodes everything at once. Decoding is the
 server's main cost with compressed uploads, and most of it can overlap the wait for slower
 clients: :class:`StreamingGrid` pulls replies as they arrive and hands each one to a callback
-(the wrapper decodes it and adds it to a :class:`RunningMean`), so the round's aggregate is
-ready shortly after the last reply, not "last reply + decode everything".
+(the wrapper checks and decodes it and adds it to the core's running sum,
+:class:`fedcomp.aggregate.Accumulator`), so the round's aggregate is ready shortly after the
+last reply, not "last reply + decode everything".
 
 Only strategies whose aggregate is a weighted mean of the client models can use the running
-mean (:data:`STREAMABLE`); for the others (FedMedian, Krum, trimmed means, QFedAvg, DP
+sum (:data:`STREAMABLE`); for the others (FedMedian, Krum, trimmed means, QFedAvg, DP
 wrappers...) replies are still decoded on arrival, then collected for the inner strategy.
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-import torch
 from flwr.app import Message
 from flwr.server import Grid
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
@@ -29,30 +29,6 @@ STREAMABLE = (FedAvg, FedProx, FedAvgM, FedAdam, FedAdagrad, FedYogi)
 def can_stream(strategy: Strategy) -> bool:
     """Exact type match: FedMedian, FedTrimmedAvg, Krum, QFedAvg subclass FedAvg but need every reply."""
     return type(strategy) in STREAMABLE
-
-
-class RunningMean:
-    """Weighted mean of updates, accumulated one reply at a time: memory of one dense sum."""
-
-    def __init__(self) -> None:
-        self.sum: dict[str, torch.Tensor] = {}
-        self.weight = 0.0
-        self.count = 0
-
-    def add(self, update: dict[str, torch.Tensor], weight: float) -> None:
-        for name, t in update.items():
-            # float64: weight x fp32 value is exact there, so the sum does not depend on the order
-            # replies arrive in (barring exponent spreads beyond ~2^9): seeded runs repeat bit for bit
-            wide = t.to(torch.float64)
-            if name in self.sum:
-                self.sum[name].add_(wide, alpha=weight)
-            else:
-                self.sum[name] = wide * weight
-        self.weight += weight
-        self.count += 1
-
-    def mean(self) -> dict[str, torch.Tensor]:
-        return {name: s / self.weight for name, s in self.sum.items()}
 
 
 class StreamingGrid(Grid):

@@ -8,33 +8,34 @@ Per training round:
    every message by what that client needs: the chain of steps since the reference it holds,
    or the full reference on first contact and resyncs; plus the layout, codec specs, seed,
    round (see :mod:`fedcomp.protocol`).
-3. Replies carry the ``upload`` codec's payload of the client's update. The wrapper decodes
-   each one as it arrives (:mod:`fedcomp.strategies.streaming`; a reply that fails is dropped with its
-   reason logged; the round goes on). For weighted-mean strategies (FedAvg, FedProx, FedAvgM,
-   the FedOpt family) it adds the update to a running mean and hands the inner strategy one
-   reply holding it; for the others it rebuilds ``model_i = global model + update_i`` and hands
-   over replies that look exactly like uncompressed ones (FedMedian, Krum...).
+3. Replies carry the ``upload`` codec's payload of the client's update. Each one is counted,
+   checked, decoded and added as it arrives (:mod:`fedcomp.strategies.replies`, on the core's
+   :mod:`fedcomp.aggregate`; a reply that fails is dropped with its reason, the round goes on).
+   Weighted-mean strategies (FedAvg, FedProx, FedAvgM, the FedOpt family) get one reply holding
+   the weighted mean; FetchSGD (``aggregation="sketch"``) sums sketches (:mod:`fedcomp.fetchsgd`);
+   other strategies get ``model_i = global model + update_i`` per reply (FedMedian, Krum...).
 4. The next broadcast acknowledges each node's last aggregated round, so a client puts an
    update that never reached the aggregate back into its residual.
 
-Bytes are counted as Flower sends them: the deflated size of every object in a message's
-content tree (records, arrays, array chunks), per client.
+Federated evaluation goes through the same tiers: a client whose mod handles evaluate
+broadcasts gets a chain to its tier's next reference; others get the dense model. Every message
+the wrapper sends or receives is counted (:func:`fedcomp.msgsize.message_bytes`), per round
+in :class:`RoundStats`.
+
+Failures are loud: a round whose replies carry no fedcomp payload raises
+:class:`MissingCompressionMod`; ``max_failed_rounds`` consecutive rounds without a usable reply
+raise :class:`NoUsableReplies` with the clients' errors summarised.
 
 Bandwidth budgets (``link_profile``, ``round_deadline_s``; :mod:`fedcomp.links`): clients
-with a link fit their reply to its byte budget and report the concrete codec spec they used.
-The wrapper accepts a reported spec only of the configured family (same stages in order,
-:func:`fedcomp.budget.same_family`) and decodes each reply with it; skipped replies (budget too
-small) are not aggregated. Per client it records bytes, budget, status and simulated times
-(download of the bytes it was really sent, measured compute, upload), and per round
-``sim_time_s``: the slowest participant, or the deadline when clients past it are dropped
-(their replies are not aggregated).
+with a link fit their reply to its byte budget and report the concrete codec spec they used;
+the wrapper accepts a reported spec only of the configured family and records per client
+bytes, budget, status and simulated times, and per round ``sim_time_s``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 from collections.abc import Iterable
 from logging import INFO, WARNING
 
@@ -42,33 +43,29 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.server import Grid
-from flwr.serverapp.strategy import Strategy
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 
 import fedcomp
-from fedcomp import protocol as P
-from fedcomp.broadcast import Tier, parse_thresholds, parse_tiers
-from fedcomp.budget import FALLBACKS, check_budgetable, same_family
 from fedcomp import links
-from fedcomp.strategies.streaming import RunningMean, StreamingGrid, can_stream
+from fedcomp import protocol as P
+from fedcomp.aggregate import Accumulator, NormGuard
+from fedcomp.broadcast import Tier, parse_thresholds, parse_tiers
+from fedcomp.fetchsgd import FetchSGD
+from fedcomp.msgsize import message_bytes
+from fedcomp.strategies.config import CompressionConfig
+from fedcomp.strategies.replies import MissingCompressionMod, NoUsableReplies, ReplyHistory, RoundReplies, summarize
+from fedcomp.strategies.streaming import StreamingGrid, can_stream
 
+__all__ = ["CompressedStrategy", "CompressionConfig", "RoundStats", "message_bytes", "MissingCompressionMod",
+           "NoUsableReplies", "canonical_order"]
 
-def _metric(content: RecordDict, key: str) -> float:
-    for record in content.metric_records.values():
-        if key in record:
-            return float(record[key])
-    raise fedcomp.FedcompError(f"reply has no metric {key!r} to weight its sketch by")
-
-
-def message_bytes(record) -> int:
-    """Bytes Flower transmits for a record (RecordDict, ArrayRecord, ...) and everything in it."""
-    return sum(len(obj.deflate()) for obj in get_all_nested_objects(record).values())
+_MEAN_IS_THE_MODEL = (FedAvg, FedProx)  # aggregate_train of one reply of the total weight returns its model
 
 
 def canonical_order(msg: Message) -> tuple[int, bytes, int]:
     """Sort key of a reply that does not depend on arrival order or on node ids (random per
     simulation run): the SHA-256 of its payload, error replies last. Aggregating in this order
-    makes a seeded simulation reproduce its floating-point sums bit for bit."""
+    makes a seeded simulation reproduce its results bit for bit."""
     if msg.has_error():
         return 1, b"", msg.metadata.src_node_id
     record = msg.content.config_records.get(P.UPLOAD_RECORD)
@@ -79,32 +76,46 @@ def canonical_order(msg: Message) -> tuple[int, bytes, int]:
 
 @dataclasses.dataclass
 class RoundStats:
-    """What one training round cost on the wire, summed over the round's clients."""
+    """What one round cost on the wire, summed over the round's clients, and what became of each reply."""
 
-    upload_bytes: int = 0
-    download_bytes: int = 0
-    upload_bytes_dense: int = 0  # the same replies with the model as plain fp32 arrays
-    download_bytes_dense: int = 0  # the same broadcasts with the model as plain fp32 arrays
+    upload_bytes: int = 0  # train replies as received (Flower message bytes)
+    download_bytes: int = 0  # train messages as sent
+    upload_bytes_dense: int = 0  # the aggregated replies with the model as plain arrays instead of the payload
+    download_bytes_dense: int = 0  # the same train messages with the model as plain arrays
     download_bytes_by_tier: dict[int, int] = dataclasses.field(default_factory=dict)
     encodes: int = 0  # broadcast encodes this round: one per tier with clients, not one per client
     downloads: list[dict] = dataclasses.field(default_factory=list)  # per client: node, tier, mode, steps, bytes
-    clients: list[dict] = dataclasses.field(default_factory=list)  # per client: node, bytes, status
+    clients: list[dict] = dataclasses.field(default_factory=list)  # per train reply: node, upload_bytes, status
     links: list[dict] = dataclasses.field(default_factory=list)  # per client with a link: bytes, budget, times
     sim_time_s: float | None = None  # simulated round time (None: no client reported a link)
+    aggregated: int = 0  # replies that reached the aggregate
+    evaluate_download_bytes: int = 0  # federated-evaluation messages as sent
+    evaluate_download_bytes_dense: int = 0  # the same messages with the model as plain arrays
+    evaluate_reply_bytes: int = 0  # federated-evaluation replies as received
+    evaluate_clients: list[dict] = dataclasses.field(default_factory=list)  # per evaluate message: node, mode, bytes
+
+    @property
+    def upload_ratio(self) -> float | None:
+        """Dense / compressed upload bytes (None when nothing was uploaded: never NaN)."""
+        return self.upload_bytes_dense / self.upload_bytes if self.upload_bytes and self.upload_bytes_dense else None
+
+    @property
+    def download_ratio(self) -> float | None:
+        return self.download_bytes_dense / self.download_bytes if self.download_bytes else None
 
 
 @dataclasses.dataclass
 class _RoundState:
-    """Replies of the round in progress, as they are received."""
+    """The round in progress: replies already seen and the reply handler."""
 
     round: int
-    running: RunningMean | None = None  # weighted mean of updates (streamable inner strategies)
+    replies: RoundReplies | None
     message_type: str = "train"
     arrays_key: str = ""
     seen: dict[int, Message] = dataclasses.field(default_factory=dict)  # replies already received, by identity
-    collected: list[Message] = dataclasses.field(default_factory=list)  # rebuilt replies for the inner strategy
-    metrics: list[RecordDict] = dataclasses.field(default_factory=list)  # non-model records (running mean)
-    sketches: list[tuple[RecordDict, list[torch.Tensor]]] = dataclasses.field(default_factory=list)
+    errors: list[Message] = dataclasses.field(default_factory=list)  # error replies (collect mode hands them on)
+    unwrapped: int = 0  # replies without a fedcomp upload record
+
 
 
 class CompressedStrategy(Strategy):
@@ -137,7 +148,8 @@ class CompressedStrategy(Strategy):
         Clients keep what compression dropped in a residual and send it later.
     seed : int (default: 0)
         Run seed; with the round and node id it seeds random-k indices and stochastic rounding.
-    aggregation : str (default: ``"decode"``)
+    aggregation : str (default: ``"auto"``)
+        ``"auto"``: ``"sketch"`` for linear upload codecs (``sketch(...)``), ``"decode"`` otherwise.
         ``"decode"``: decode every reply and let the inner strategy aggregate the models.
         ``"sketch"``: FetchSGD (Rothchild et al. 2020), for linear upload codecs such as
         ``sketch(...)``: the server sums the clients' sketches without decoding them (weighted
@@ -159,10 +171,30 @@ class CompressedStrategy(Strategy):
         on the server. 0 turns it off.
     max_update_norm : float (default: 0.0)
         Drop a reply whose decoded update (all float tensors, L2) is longer than this, with the
-        norm and the bound in its status: an absurd or hostile update never reaches the
-        aggregate. With ``aggregation="sketch"`` the bound applies to the sketch's norm divided
-        by sqrt(rows) (each row of a count sketch preserves the norm in expectation). 0 turns
-        it off. NaN and Inf updates are always dropped.
+        norm and the bound in its status. With ``aggregation="sketch"`` norms are the sketch's
+        norm divided by sqrt(rows) (each row of a count sketch preserves the norm in
+        expectation). 0 turns it off. NaN and Inf updates are always dropped.
+    norm_factor : float (default: 10.0)
+        Drop a reply whose update norm exceeds ``norm_factor`` times the lower median of the
+        round's valid update norms (so one absurd or hostile update, e.g. of norm 1e30, never
+        reaches the aggregate). The first ``norm_warmup`` replies of a round wait until that
+        many norms are known (a round with one reply is checked against ``max_update_norm``
+        only; with two, the smaller norm is the reference). 0 turns it off.
+    norm_warmup : int (default: 3)
+        Norms needed before the relative guard decides.
+    max_weight : float (default: 0.0)
+        Cap on a reply's weight (``num-examples`` or the inner strategy's ``weighted_by_key``).
+        Weights must be finite numbers > 0 and at most 2**53 in any case; a reply failing this
+        is dropped with the reason. 0: no cap below 2**53.
+    max_failed_rounds : int (default: 3)
+        Stop the run (:class:`NoUsableReplies`, naming the clients' errors) after this many
+        consecutive rounds in which no reply reached the aggregate.
+    compress_evaluate : bool (default: True)
+        Federated evaluation messages go through the tiers' references to clients whose mod
+        announced it handles them (a chain instead of the model); others get the dense model.
+        Either way they are counted in :class:`RoundStats`.
+    config : CompressionConfig, optional
+        All of the above as one frozen object (instead of keyword arguments).
     link_profile : str (default: ``"none"``)
         Simulation: maps ``partition-id`` to a link (``fedcomp.links``): a preset
         (``datacenter``, ``broadband``, ``4g``, ``3g-edge``), ``"mixed"``, or the path of a
@@ -178,94 +210,63 @@ class CompressedStrategy(Strategy):
         budget, reported as such).
     """
 
-    def __init__(
-        self,
-        inner: Strategy,
-        upload: str = "topk(ratio=0.01)+qsgd(bits=4)",
-        download: str = "none()",
-        error_feedback: bool = True,
-        seed: int = 0,
-        aggregation: str = "decode",
-        server_momentum: float = 0.0,
-        delta: float = 0.0,
-        max_update_norm: float = 0.0,
-        download_tier_kbps: str = "",
-        download_max_stale: int = 10,
-        link_profile: str = links.NONE,
-        round_deadline_s: float = 0.0,
-        budget_fallback: str = "skip",
-        streaming: bool = True,
-    ) -> None:
+
+    def __init__(self, inner: Strategy, config: CompressionConfig | None = None, **settings) -> None:
+        if config is not None and settings:
+            raise fedcomp.SpecError(f"pass either config= or keyword settings, not both (got {sorted(settings)})")
+        if config is None:
+            unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(CompressionConfig)})
+            if unknown:
+                raise TypeError(f"CompressedStrategy got unknown settings {unknown}; allowed: "
+                                f"{', '.join(f.name for f in dataclasses.fields(CompressionConfig))}")
+            config = CompressionConfig(**settings)
         self.inner = inner
-        self.streaming = bool(streaming)
-        self._round_state: _RoundState | None = None
-        self._dense_model_bytes = 0
-        self.upload = fedcomp.build_codec(upload)  # fails here, before any round, on a bad spec
-        if isinstance(download_max_stale, bool) or not isinstance(download_max_stale, int) or download_max_stale < 1:
-            raise fedcomp.SpecError(f"download_max_stale={download_max_stale!r} is invalid: it must be a positive integer")
-        self.tiers = [Tier(i, spec, download_max_stale) for i, spec in enumerate(parse_tiers(download))]
-        self.tier_kbps = ",".join(str(v) for v in parse_thresholds(download_tier_kbps, len(self.tiers)))
+        self.config = config
+        self.upload = fedcomp.build_codec(config.upload)
+        self.aggregation = config.resolved_aggregation
+        self.error_feedback = config.client_error_feedback
+        if self.upload.needs_error_feedback and not self.error_feedback and self.aggregation == "decode":
+            log(WARNING, "fedcomp: upload codec %s is biased; without error feedback it may not converge", config.upload)
+        self.tiers = [Tier(i, spec, config.download_max_stale) for i, spec in enumerate(parse_tiers(config.download))]
+        self.tier_kbps = ",".join(str(v) for v in parse_thresholds(config.download_tier_kbps, len(self.tiers)))
+        self.fetch = FetchSGD(self.upload, config.server_momentum) if self.aggregation == "sketch" else None
+        self.rounds: dict[int, RoundStats] = {}
+        # per node, across rounds
         self._held: dict[int, tuple[int, int, int]] = {}  # node -> (tier, version, crc) it reported
         self._aggregated: dict[int, int] = {}  # node -> round of its last reply that reached the aggregate
         self._want: dict[int, int] = {}  # node -> the tier it asked for
-        if aggregation not in ("decode", "sketch"):
-            raise fedcomp.SpecError(f"aggregation={aggregation!r} is invalid: aggregation must be 'decode' or 'sketch'")
-        if aggregation == "sketch" and not self.upload.linear:
-            raise fedcomp.SpecError(
-                f"aggregation='sketch' needs a linear upload codec such as 'sketch(rows=1, cols=4000)', got {upload!r}"
-            )
-        if not 0 <= server_momentum < 1:
-            raise fedcomp.SpecError(f"server_momentum={server_momentum!r} is invalid: it must be in [0, 1)")
-        if not 0 <= delta <= 1:
-            raise fedcomp.SpecError(f"delta={delta!r} is invalid: delta must be in [0, 1] (0 turns delta coding off)")
-        if delta and aggregation == "sketch":
-            raise fedcomp.SpecError("delta coding needs per-client decoding; it does not combine with aggregation='sketch'")
-        if not (isinstance(max_update_norm, (int, float)) and 0 <= max_update_norm < float("inf")):
-            raise fedcomp.SpecError(
-                f"max_update_norm={max_update_norm!r} is invalid: it must be a finite float >= 0 (0 turns the bound off)")
-        self.max_update_norm = float(max_update_norm)
-        self.delta = delta
-        links.check_profile(link_profile)
-        if isinstance(round_deadline_s, bool) or not isinstance(round_deadline_s, (int, float)) or not (
-                0 <= round_deadline_s < float("inf")):
-            raise fedcomp.SpecError(f"round_deadline_s={round_deadline_s!r} is invalid: seconds >= 0 (0: no deadline)")
-        if budget_fallback not in FALLBACKS:
-            raise fedcomp.SpecError(f"budget_fallback={budget_fallback!r} is invalid: one of {FALLBACKS}")
-        if link_profile != links.NONE and aggregation == "sketch":
-            raise fedcomp.SpecError(
-                "budgets give clients sketches of different cols, which cannot be summed in sketch space: "
-                "use aggregation='decode' with link_profile, or link_profile='none'")
-        if round_deadline_s > 0:
-            check_budgetable(upload)  # every client with a link gets a budget: the codec needs a free parameter
-        self.link_profile = link_profile
-        self.round_deadline_s = float(round_deadline_s)
-        self.budget_fallback = budget_fallback
-        self._last: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # node -> (round, its last update)
-        self.aggregation = aggregation
-        self.server_momentum = server_momentum
-        self._momentum: list[torch.Tensor] | None = None  # FetchSGD S_u, per segment
-        self._error: list[torch.Tensor] | None = None  # FetchSGD S_e, per segment
-        if aggregation == "sketch":
-            error_feedback = False  # FetchSGD clients are stateless: the error lives on the server
-        if self.upload.needs_error_feedback and not error_feedback and aggregation == "decode":
-            log(WARNING, "fedcomp: upload codec %s is biased; without error feedback it may not converge", upload)
-        self.error_feedback = error_feedback
-        self.seed = seed
-        self.rounds: dict[int, RoundStats] = {}
+        self._capable: set[int] = set()  # nodes whose mod handles evaluate broadcasts
+        self._history = ReplyHistory()  # delta references, used nonces
+        # per round
+        self._round_state: _RoundState | None = None
         self._base: dict[str, torch.Tensor] = {}  # the global model of this round: model_i = base + update_i
+        self._layout: fedcomp.Layout | None = None
+        self._accumulator: Accumulator | None = None  # reused across rounds while the layout holds
+        self._dense_model_bytes = 0
         self._sent: dict[int, list[int]] = {}  # round -> nodes sent a train message (to record who never replied)
         self._unattributed: dict[int, list[str]] = {}  # round -> reasons of errors from nodes not messaged
-        self._layout: fedcomp.Layout | None = None
+        self._failed_rounds: list[int] = []  # consecutive rounds without a usable reply
+        self._aggregated_rounds = 0
+
+    # settings read by the project's app and tests
+    seed = property(lambda self: self.config.seed)
+    delta = property(lambda self: self.config.delta)
+    streaming = property(lambda self: self.config.streaming)
+    max_update_norm = property(lambda self: self.config.max_update_norm)
+    link_profile = property(lambda self: self.config.link_profile)
+    round_deadline_s = property(lambda self: self.config.round_deadline_s)
+    budget_fallback = property(lambda self: self.config.budget_fallback)
+    server_momentum = property(lambda self: self.config.server_momentum)
 
     def summary(self) -> None:
         log(INFO, "fedcomp: upload %s, download %s, error feedback %s, aggregation %s", self.upload.spec,
             " | ".join(t.codec.spec for t in self.tiers), "on" if self.error_feedback else "off", self.aggregation)
-        if self.streaming and self.aggregation == "decode" and not can_stream(self.inner):
+        if self.aggregation == "decode" and not can_stream(self.inner):
             log(INFO, "fedcomp: %s needs every reply at once: replies are decoded as they arrive, then collected",
                 type(self.inner).__name__)
         self.inner.summary()
 
-    # -- training ---------------------------------------------------------------------------
+    # -- training: broadcasts ---------------------------------------------------------------------
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -274,18 +275,11 @@ class CompressedStrategy(Strategy):
         self._sent[server_round] = [m.metadata.dst_node_id for m in messages]
         if not messages:
             return messages
-        model = dict(arrays.to_torch_state_dict())
-        self._layout = fedcomp.Layout.of(model)
-        self._base = {k: v.detach().cpu() for k, v in model.items()}
-        self._dense_model_bytes = message_bytes(ArrayRecord(self._base))
-        for tier in self.tiers:
-            if tier.reference is None:  # all tiers start from the same model: early tier changes are cheap
-                tier.start(model)
+        model = self._set_model(arrays)
         nodes = [msg.metadata.dst_node_id for msg in messages]
         tier_of = {node: self._want.get(node, 0) for node in nodes}
         for tier in sorted(set(tier_of.values())):  # one encode per tier with clients this round
-            self.tiers[tier].step(model, server_round, self.seed)
-            stats.encodes += 1
+            stats.encodes += self._step_tier(self.tiers[tier], model, server_round)
         out = []
         for msg in messages:
             node = msg.metadata.dst_node_id
@@ -297,27 +291,15 @@ class CompressedStrategy(Strategy):
             dense_bytes = message_bytes(msg.content)
             content = RecordDict({k: v for k, v in msg.content.items() if k != array_keys[0]})
             content[P.DOWNLOAD_RECORD] = ConfigRecord({
-                P.MODE: plan.mode,
-                P.PAYLOADS: list(plan.payloads),
-                P.ROUNDS: list(plan.rounds),
-                P.BASE_CRC: plan.base_crc,
-                P.REF_CRC: plan.crc,
-                P.TIER: plan.tier,
-                P.TIERS: len(self.tiers),
-                P.TIER_KBPS: self.tier_kbps,
-                P.LAYOUT: self._layout.to_json(),
+                **self._plan_fields(plan, tier, server_round, array_keys[0]),
                 P.UPLOAD_SPEC: self.upload.spec,
-                P.DOWNLOAD_SPEC: tier.codec.spec,
                 P.ERROR_FEEDBACK: self.error_feedback,
-                P.SEED: self.seed,
-                P.ROUND: server_round,
-                P.ARRAYS_KEY: array_keys[0],
-                P.DELTA: self.delta,
-                P.DELTA_REF: self._last.get(node, (0, None))[0] if self.delta else 0,
+                P.DELTA: self.config.delta,
+                P.DELTA_REF: self._history.last.get(node, (0, None))[0] if self.config.delta else 0,
                 P.ACK_ROUND: self._aggregated.get(node, 0),
-                P.LINK_PROFILE: self.link_profile,
-                P.DEADLINE: self.round_deadline_s,
-                P.FALLBACK: self.budget_fallback,
+                P.LINK_PROFILE: self.config.link_profile,
+                P.DEADLINE: self.config.round_deadline_s,
+                P.FALLBACK: self.config.budget_fallback,
             })
             nbytes = message_bytes(content)
             stats.download_bytes += nbytes
@@ -331,11 +313,50 @@ class CompressedStrategy(Strategy):
             state.arrays_key, state.message_type = array_keys[0], msg.metadata.message_type
         return out
 
+    def _set_model(self, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+        model = dict(arrays.to_torch_state_dict())
+        layout = fedcomp.Layout.of(model)
+        if layout != self._layout:
+            self._accumulator = None
+        self._layout = layout
+        self._base = {k: v.detach().cpu() for k, v in model.items()}
+        self._dense_model_bytes = message_bytes(ArrayRecord(self._base))
+        for tier in self.tiers:
+            if tier.reference is None:  # all tiers start from the same model: early tier changes are cheap
+                tier.start(model)
+        return model
+
+    def _step_tier(self, tier: Tier, model: dict[str, torch.Tensor], version: int) -> int:
+        """Move a tier's reference to ``version`` (once: federated evaluation may have done it)."""
+        if tier.version >= version and tier.history and tier.history[-1].round == version:
+            return 0
+        tier.step(model, version, self.config.seed)
+        return 1
+
+    def _plan_fields(self, plan, tier: Tier, server_round: int, arrays_key: str) -> dict:
+        return {
+            P.MODE: plan.mode, P.PAYLOADS: list(plan.payloads), P.ROUNDS: list(plan.rounds),
+            P.BASE_CRC: plan.base_crc, P.REF_CRC: plan.crc, P.TIER: plan.tier, P.TIERS: len(self.tiers),
+            P.TIER_KBPS: self.tier_kbps, P.LAYOUT: self._layout.to_json(), P.DOWNLOAD_SPEC: tier.codec.spec,
+            P.SEED: self.config.seed, P.ROUND: server_round, P.ARRAYS_KEY: arrays_key,
+        }
+
+    # -- training: replies --------------------------------------------------------------------
     def start(self, grid: Grid, *args, **kwargs):
-        """Flower's round loop, with replies decoded as they arrive (:mod:`fedcomp.strategies.streaming`)."""
-        if self.streaming:
+        """Flower's round loop, with replies handled as they arrive (:mod:`fedcomp.strategies.streaming`).
+
+        Raises :class:`MissingCompressionMod` or :class:`NoUsableReplies` instead of returning a
+        model no reply ever reached.
+        """
+        if self.config.streaming:
             grid = StreamingGrid(grid, self._on_reply)
-        return super().start(grid, *args, **kwargs)
+        result = super().start(grid, *args, **kwargs)
+        if self.rounds and not self._aggregated_rounds:
+            last = self.rounds[max(self.rounds)]
+            raise NoUsableReplies(
+                f"fedcomp: no reply reached the aggregate in any of the run's {len(self.rounds)} rounds; the model is "
+                f"the initial one. Last round: {summarize([c['status'] for c in last.clients]) or 'no replies'}")
+        return result
 
     def _on_reply(self, msg: Message) -> None:
         if self._round_state is not None and msg.metadata.message_type == self._round_state.message_type:
@@ -359,23 +380,86 @@ class CompressedStrategy(Strategy):
         if stats.links:
             stats.sim_time_s, _ = links.round_time({t["node"]: t["total_s"] for t in stats.links},
                                                    {t["node"]: t["deadline_s"] for t in stats.links})
-        if self.aggregation == "sketch":
-            return self._aggregate_sketches(state.sketches)
-        if state.running is None:
-            arrays, metrics = self.inner.aggregate_train(server_round, state.collected)
+        handler = state.replies
+        stats.aggregated = handler.finish() if handler is not None else 0
+        self._check_wrapped(server_round, state, stats)
+        if not stats.aggregated:
+            return self._failed_round(server_round, stats, handler)
+        self._failed_rounds.clear()
+        self._aggregated_rounds += 1
+        if handler.mode == "sketch":
+            model = self.fetch.step(self._base, self._layout)
+            return ArrayRecord(model), self._aggregate_metrics(handler.metrics)
+        if handler.mode == "collect":
+            arrays, metrics = self.inner.aggregate_train(server_round, handler.collected + state.errors)
             return self._as_layout(arrays), metrics
         return self._finish_mean(server_round, state)
 
+    def _check_wrapped(self, server_round: int, state: _RoundState, stats: RoundStats) -> None:
+        """A round with replies but not one fedcomp payload record: the clients lack compression_mod."""
+        if state.replies is not None and state.replies.payloads:
+            return
+        errors = [m.error.reason or "" for m in state.errors]
+        key = state.arrays_key or "arrays"
+        # without the mod the model never reaches the user's code: it fails looking the record up
+        looks_unwrapped = state.unwrapped > 0 or (errors and all("KeyError" in e and f"'{key}'" in e for e in errors))
+        if not looks_unwrapped:
+            return
+        raise MissingCompressionMod(
+            f"fedcomp: no reply of round {server_round} carries a fedcomp payload ('{P.UPLOAD_RECORD}' record): the "
+            f"ClientApp does not use compression_mod. CompressedStrategy sends the model compressed, and only "
+            f"compression_mod turns it back into the '{key}' ArrayRecord your train function reads and compresses "
+            f"the reply. Add it to the ClientApp: `from fedcomp.clients import compression_mod`, then "
+            f"`app = ClientApp(mods=[compression_mod])`. Replies: {summarize([c['status'] for c in stats.clients])}")
+
+    def _failed_round(self, server_round: int, stats: RoundStats, handler) -> tuple[None, None]:
+        if self.fetch is not None:
+            self.fetch.discard_round()
+        self._failed_rounds.append(server_round)
+        statuses = [c["status"] for c in stats.clients]
+        log(WARNING, "fedcomp: no usable replies in round %s (%d of %d consecutive rounds allowed): %s", server_round,
+            len(self._failed_rounds), self.config.max_failed_rounds, summarize(statuses) or "no replies")
+        if len(self._failed_rounds) >= self.config.max_failed_rounds:
+            first = self._failed_rounds[0]
+            raise NoUsableReplies(
+                f"fedcomp: {len(self._failed_rounds)} consecutive rounds ({first}-{server_round}) without a usable "
+                f"reply; the model has not changed since round {first - 1}. Round {server_round}'s clients: "
+                f"{summarize(statuses) or 'no replies (no node sampled or all timed out)'}. "
+                f"(max_failed_rounds={self.config.max_failed_rounds}; raise it to tolerate longer outages)")
+        return None, None
+
     def _state(self, server_round: int) -> _RoundState:
         if self._round_state is None or self._round_state.round != server_round:
-            self._round_state = _RoundState(server_round, running=RunningMean() if self._mean_ready() else None)
+            self._round_state = _RoundState(server_round, self._new_replies(server_round))
         return self._round_state
 
-    def _mean_ready(self) -> bool:
-        return self.aggregation == "decode" and can_stream(self.inner) and self.streaming
+    def _new_replies(self, server_round: int) -> RoundReplies | None:
+        if self._layout is None:
+            return None
+        if self.aggregation == "sketch":
+            mode = "sketch"
+        else:
+            mode = "mean" if can_stream(self.inner) else "collect"
+        if self._accumulator is None:
+            self._accumulator = Accumulator(self.upload, self._layout)
+        else:
+            self._accumulator.reset()
+        return RoundReplies(
+            round=server_round, mode=mode, layout=self._layout, base=self._base, accumulator=self._accumulator,
+            fetch=self.fetch, guard=NormGuard(self.config.norm_factor, self.config.norm_warmup,
+                                              self.config.max_update_norm),
+            config=self.config, upload=self.upload, weight_key=self._weight_key(), history=self._history,
+            on_accept=self._accepted(server_round), dense_model_bytes=self._dense_model_bytes)
+
+    def _accepted(self, server_round: int):
+        def note(node: int, entry: dict, dense_bytes: int) -> None:
+            self._aggregated[node] = server_round  # acknowledged in its next broadcast
+            self.rounds.setdefault(server_round, RoundStats()).upload_bytes_dense += dense_bytes
+        return note
 
     def _receive(self, server_round: int, msg: Message) -> None:
-        """Count, check and decode one reply, and add it to the round's aggregate (once per reply)."""
+        """Count one reply, note what it says about the client's reference and link, and hand it
+        to the round's reply handler (once per reply)."""
         state = self._state(server_round)
         if id(msg) in state.seen:  # the grid streamed it in; Flower's loop passes it again
             return
@@ -383,8 +467,7 @@ class CompressedStrategy(Strategy):
         stats = self.rounds.setdefault(server_round, RoundStats())
         node = msg.metadata.src_node_id
         if msg.has_error():
-            if state.running is None:
-                state.collected.append(msg)  # the inner strategy counts and logs failures
+            state.errors.append(msg)
             if node not in self._sent.get(server_round, (node,)):  # made by the SuperLink for a dead node
                 self._unattributed.setdefault(server_round, []).append(msg.error.reason)
                 return
@@ -394,6 +477,15 @@ class CompressedStrategy(Strategy):
         entry = {"node": node, "upload_bytes": wire, "status": "ok"}
         stats.upload_bytes += wire
         stats.clients.append(entry)
+        record = msg.content.config_records.get(P.UPLOAD_RECORD)
+        if record is None:
+            state.unwrapped += 1
+            entry["status"] = (f"dropped: reply has no {P.UPLOAD_RECORD!r} record (is compression_mod installed "
+                               f"on the client?)")
+            return
+        caps = record.get(P.CAPABILITIES)
+        if isinstance(caps, list) and P.EVALUATE_CAPABILITY in caps:
+            self._capable.add(node)
         sent = next((d["download_bytes"] for d in stats.downloads if d["node"] == node), 0)
         timing = self._timing(msg.content, node, wire, sent)
         if timing is not None:
@@ -406,58 +498,34 @@ class CompressedStrategy(Strategy):
             entry["status"] = f"resync: {resync}"
             log(WARNING, "fedcomp: node %s asked for a full model in round %s: %s", node, server_round, resync)
             return
-        try:
-            rest, other_bytes, arrays_key, decoded = self._decode_reply(msg.content, server_round, node)
-            weight = _metric(rest, self._weight_key()) if state.running is not None else None
-        except (fedcomp.FedcompError, KeyError, TypeError) as exc:
-            entry["status"] = f"dropped: reply lacks the key {exc}" if isinstance(exc, KeyError) else f"dropped: {exc}"
-            log(WARNING, "fedcomp: dropping reply of node %s in round %s: %s", node, server_round, exc)
+        if state.replies is None:
+            entry["status"] = "dropped: reply arrived before any broadcast"
             return
-        stats.upload_bytes_dense += other_bytes + self._dense_model_bytes
-        self._aggregated[node] = server_round  # acknowledged in its next broadcast
-        if self.aggregation == "sketch":
-            state.sketches.append((rest, decoded))
-        elif state.running is not None:
-            state.running.add(decoded, weight)
-            state.metrics.append(rest)
-        else:
-            rest[arrays_key] = ArrayRecord(self._rebuild(decoded))
-            msg.content = rest
-            state.collected.append(msg)
+        state.replies.handle(msg, entry)
 
     def _weight_key(self) -> str:
         return getattr(self.inner, "weighted_by_key", "num-examples")
 
-    def _rebuild(self, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``model_i = base + update_i`` in the model's dtypes."""
-        return {name: (self._base[name].float() + delta[name].float()).to(self._base[name].dtype)
-                if self._base[name].is_floating_point() else self._base[name] + delta[name].to(self._base[name].dtype)
-                for name in self._layout.names}
+    def _aggregate_metrics(self, records: list[RecordDict]) -> MetricRecord | None:
+        aggr = getattr(self.inner, "train_metrics_aggr_fn", None)
+        return aggr(records, self._weight_key()) if aggr is not None and records else None
 
     def _finish_mean(self, server_round: int, state: _RoundState) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Hand the inner strategy one reply holding the weighted mean model (its weight is the
-        total, so FedAvg returns it unchanged and FedAdam & co. step from it); metrics are the
-        inner strategy's aggregate of every reply's metrics."""
-        running = state.running
-        assert running is not None
-        if running.count == 0 or running.weight <= 0:
-            log(WARNING, "fedcomp: no usable replies in round %s", server_round)
-            return None, None
-        mean = running.mean()
-        model = {}
-        for name in self._layout.names:
-            base = self._base[name]
-            if base.is_floating_point():
-                model[name] = (base.float() + mean[name]).to(base.dtype)
-            else:  # FedAvg averages integer buffers as floats; _as_layout rounds them back
-                model[name] = base.double() + mean[name]
+        """The weighted mean model; strategies that step from it (FedAvgM, FedAdam...) get one
+        reply holding it, of the total weight. Metrics: the inner strategy's aggregate of every
+        aggregated reply's metrics."""
+        acc = state.replies.accumulator
+        total = acc.total_weight
+        model = acc.apply_mean(self._base)
+        metrics = self._aggregate_metrics(state.replies.metrics)
+        log(INFO, "fedcomp: round %s aggregated %d replies", server_round, state.replies.count_aggregated())
+        if type(self.inner) in _MEAN_IS_THE_MODEL:  # FedAvg of one reply is that reply: skip its copies
+            return ArrayRecord(model), metrics
         key = self._weight_key()
-        arrays_key = state.arrays_key or "arrays"
-        metric_aggr = getattr(self.inner, "train_metrics_aggr_fn", None)
-        metrics = metric_aggr(state.metrics, key) if metric_aggr is not None else None
-        merged = Message(RecordDict({arrays_key: ArrayRecord(model), "metrics": MetricRecord({key: running.weight})}),
+        merged = Message(RecordDict({state.arrays_key or "arrays": ArrayRecord(model),
+                                     "metrics": MetricRecord({key: total})}),
                          dst_node_id=0, message_type="train")
-        log(INFO, "fedcomp: round %s aggregated %d replies as they arrived", server_round, running.count)
+        del model
         arrays, _ = self.inner.aggregate_train(server_round, [merged])
         return self._as_layout(arrays), metrics
 
@@ -519,7 +587,7 @@ class CompressedStrategy(Strategy):
         """
         record = content.config_records.get(P.UPLOAD_RECORD)
         if record is None:
-            return None  # _decode_reply drops it with its reason
+            return None
         want = record.get(P.WANT_TIER)
         if isinstance(want, int) and 0 <= want < len(self.tiers):
             self._want[node] = want
@@ -539,107 +607,62 @@ class CompressedStrategy(Strategy):
                 node, held)
         return None
 
-    def _aggregate_sketches(
-        self, sketches: list[tuple[RecordDict, list[torch.Tensor]]]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """FetchSGD: sum sketches, momentum and error in sketch space, apply the heavy hitters."""
-        if not sketches or self._layout is None:
-            return None, None
-        key = self._weight_key()
-        weights = [float(_metric(content, key)) for content, _ in sketches]
-        total = sum(weights) or 1.0
-        summed = None
-        for (_, values), w in zip(sketches, weights):
-            summed = [v * (w / total) for v in values] if summed is None else [
-                acc + v * (w / total) for acc, v in zip(summed, values)]
-        rho = self.server_momentum
-        if self._momentum is None or len(self._momentum) != len(summed):
-            self._momentum = [torch.zeros_like(v) for v in summed]
-            self._error = [torch.zeros_like(v) for v in summed]
-        reducer = self.upload.reducer
-        model = dict(self._base)
-        for j, ((seg, group), s_j) in enumerate(zip(self.upload.segments(self._layout), summed)):
-            self._momentum[j] = rho * self._momentum[j] + s_j
-            self._error[j] += self._momentum[j]
-            delta = reducer.heavy_hitters(self._error[j], seg.numel)
-            applied = reducer.sketch(delta) != 0
-            self._momentum[j][applied] = 0
-            self._error[j][applied] = 0
-            offset = 0
-            for i in group:
-                spec = self._layout.tensors[i]
-                part = delta[offset:offset + spec.numel].view(spec.shape)
-                model[spec.name] = (self._base[spec.name].float() + part).to(self._base[spec.name].dtype)
-                offset += spec.numel
-        metrics = None
-        aggr = getattr(self.inner, "train_metrics_aggr_fn", None)
-        if aggr is not None:
-            metrics = aggr([content for content, _ in sketches], key)
-        return ArrayRecord(model), metrics
-
-    def _decode_reply(
-        self, content: RecordDict, server_round: int, node: int
-    ) -> tuple[RecordDict, int, str, dict[str, torch.Tensor] | list[torch.Tensor]]:
-        """The reply's other records, their bytes, the name of the model's ArrayRecord, and the
-        decoded update (sketch aggregation: the undecoded sketch values)."""
-        if P.UPLOAD_RECORD not in content.config_records:
-            raise fedcomp.DecodeError(f"reply has no {P.UPLOAD_RECORD!r} record (is compression_mod installed on the client?)")
-        if self._layout is None:
-            raise fedcomp.DecodeError("reply arrived before any broadcast")
-        record = content.config_records[P.UPLOAD_RECORD]
-        payload = record[P.PAYLOAD]
-        if not isinstance(payload, bytes):
-            raise fedcomp.DecodeError(f"payload must be bytes, got {type(payload).__name__}")
-        spec = str(record.get(P.SPEC, self.upload.spec))
-        codec = self.upload
-        if spec != self.upload.spec:  # a budgeted client: its own free parameters (k, bits, rank, cols)
-            if not same_family(self.upload.spec, spec):
-                raise fedcomp.DecodeError(
-                    f"reported codec {spec!r} is not of the configured family {self.upload.spec!r}: a budget may "
-                    f"change the free parameters only (k, bits, block, rank, cols), not the stages")
-            codec = fedcomp.build_codec(spec)
-        if self.aggregation == "sketch":
-            if codec is not self.upload:
-                raise fedcomp.DecodeError(f"sketch aggregation needs every client on {self.upload.spec!r}, got {spec!r}")
-            values = self.upload.decode_values(payload, self._layout)
-            if not all(bool(torch.isfinite(v).all()) for v in values):
-                raise fedcomp.FedcompError("sketch has NaN or Inf values")
-            rows = getattr(self.upload.reducer.config, "rows", 1)
-            self._check_norm(math.sqrt(sum(float(v.double().pow(2).sum()) for v in values) / rows))
-            rest = RecordDict({k: v for k, v in content.items() if k != P.UPLOAD_RECORD})
-            _metric(rest, self._weight_key())  # weight must exist
-            return rest, message_bytes(rest), str(record[P.ARRAYS_KEY]), values
-        delta = codec.decode(payload, self._layout, round=server_round)
-        for name, t in delta.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise fedcomp.FedcompError(f"update of {name!r} has NaN or Inf values")
-        if self.delta:
-            ref = int(record.get(P.DELTA_REF, 0))
-            if ref:
-                held = self._last.get(node)
-                if held is None or held[0] != ref:
-                    raise fedcomp.FedcompError(
-                        f"delta against round {ref}, but the server holds round {held[0] if held else 'none'} for this node"
-                    )
-                delta = {k: v + self.delta * held[1][k] if k in held[1] else v for k, v in delta.items()}
-        self._check_norm(math.sqrt(sum(float(t.double().pow(2).sum()) for t in delta.values() if t.is_floating_point())))
-        if self.delta:
-            self._last[node] = (server_round, {k: v for k, v in delta.items() if v.is_floating_point()})
-        rest = RecordDict({k: v for k, v in content.items() if k != P.UPLOAD_RECORD})
-        return rest, message_bytes(rest), str(record[P.ARRAYS_KEY]), delta
-
-    def _check_norm(self, norm: float) -> None:
-        if self.max_update_norm and norm > self.max_update_norm:
-            raise fedcomp.FedcompError(
-                f"update norm {norm:.4g} exceeds max_update_norm={self.max_update_norm:g} (an absurd or hostile "
-                f"update; raise max-update-norm if such updates are legitimate)"
-            )
-
-    # -- federated evaluation: passed through uncompressed (the project's app evaluates centrally) --
+    # -- federated evaluation: through the tiers' references, counted -------------------------------
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+        """The inner strategy's evaluate messages; a client whose mod handles evaluate broadcasts
+        gets its tier's next reference (what it will train from next round: one encode per tier,
+        reused by the next training round) as a chain or in full instead of the model."""
+        messages = list(self.inner.configure_evaluate(server_round, arrays, config, grid))
+        if not messages:
+            return messages
+        stats = self.rounds.setdefault(server_round, RoundStats())
+        model = dict(arrays.to_torch_state_dict())
+        compressible = (self.config.compress_evaluate and self._layout is not None
+                        and fedcomp.Layout.of(model) == self._layout)
+        out = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            dense_bytes = message_bytes(msg.content)
+            array_keys = list(msg.content.array_records)
+            mode = "dense"
+            if compressible and node in self._capable and len(array_keys) == 1:
+                tier = self.tiers[self._want.get(node, 0)]
+                stats.encodes += self._step_tier(tier, model, server_round + 1)
+                plan = tier.plan(self._held.get(node))
+                content = RecordDict({k: v for k, v in msg.content.items() if k != array_keys[0]})
+                content[P.DOWNLOAD_RECORD] = ConfigRecord({
+                    **self._plan_fields(plan, tier, server_round + 1, array_keys[0]), P.KIND: "evaluate"})
+                msg = Message(content=content, dst_node_id=node, message_type=msg.metadata.message_type,
+                              group_id=msg.metadata.group_id)
+                mode = plan.mode
+            nbytes = message_bytes(msg.content)
+            stats.evaluate_download_bytes += nbytes
+            stats.evaluate_download_bytes_dense += dense_bytes
+            stats.evaluate_clients.append({"node": node, "mode": mode, "download_bytes": nbytes})
+            out.append(msg)
+        return out
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        return self.inner.aggregate_evaluate(server_round, replies)
+        stats = self.rounds.setdefault(server_round, RoundStats())
+        passed = []
+        for msg in replies:
+            if msg.has_error():
+                passed.append(msg)
+                continue
+            nbytes = message_bytes(msg.content)
+            stats.evaluate_reply_bytes += nbytes
+            entry = next((c for c in stats.evaluate_clients if c["node"] == msg.metadata.src_node_id
+                          and "reply_bytes" not in c), None)
+            if entry is not None:
+                entry["reply_bytes"] = nbytes
+            if P.UPLOAD_RECORD in msg.content.config_records:
+                resync = self._track_reference(msg.content, msg.metadata.src_node_id)
+                if resync is not None:
+                    if entry is not None:
+                        entry["status"] = f"resync: {resync}"
+                    continue
+                msg.content = RecordDict({k: v for k, v in msg.content.items() if k != P.UPLOAD_RECORD})
+            passed.append(msg)
+        return self.inner.aggregate_evaluate(server_round, passed)

@@ -93,8 +93,8 @@ def test_norm_bound_drops_absurd_update_with_reason():
     assert status[1] == "ok"
     assert status[2].startswith("dropped") and "exceeds max_update_norm=10" in status[2]
     assert f"{norm2:.4g}" in status[2]
-    # the bound does the work: without it the absurd update is averaged in
-    off = CompressedStrategy(FedAvg(min_available_nodes=2), upload="none()")
+    # the bounds do the work: without them (no absolute bound, relative guard off) it is averaged in
+    off = CompressedStrategy(FedAvg(min_available_nodes=2), upload="none()", norm_factor=0)
     out, status = _round(off, model, {1: _app(s1), 2: _app(s2)})
     assert set(status.values()) == {"ok"} and float((out["w"] - model["w"]).abs().max()) > 100
 
@@ -584,15 +584,17 @@ def test_superlink_error_for_a_dead_node_is_recorded_under_that_node():
 def test_streamed_mean_does_not_depend_on_arrival_order():
     """Streaming aggregation adds replies as they arrive; its float64 sum of weight x fp32 values
     is exact here, so any arrival order gives the same bits."""
-    from fedcomp.strategies.streaming import RunningMean
+    from fedcomp.aggregate import Accumulator
 
     g = torch.Generator().manual_seed(1)
     updates = [({"w": torch.randn(4000, generator=g) * 0.01 * (1 + i), "n": torch.tensor([i])}, 30.0 + 7 * i)
                for i in range(8)]
+    layout = fedcomp.Layout.of(updates[0][0])
+    base = {"w": torch.randn(4000, generator=g), "n": torch.tensor([3])}
     means = []
     for order in (updates, updates[::-1], updates[3:] + updates[:3]):
-        running = RunningMean()
+        acc = Accumulator(fedcomp.build_codec("none()"), layout)
         for update, weight in order:
-            running.add(update, weight)
-        means.append(running.mean())
+            acc.add_dense(update, weight)
+        means.append(acc.apply_mean(base))
     assert all(torch.equal(m["w"], means[0]["w"]) and torch.equal(m["n"], means[0]["n"]) for m in means[1:])

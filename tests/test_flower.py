@@ -132,13 +132,16 @@ def test_non_finite_update_is_dropped():
     assert "NaN" in statuses[2] and statuses[1] == "ok"
 
 
-def test_reply_without_compression_mod_is_dropped():
+def test_round_without_compression_mod_raises_naming_it():
+    """Replies without a fedcomp record in a wrapped round: the ClientApp lacks the mod; say so."""
+    from fedcomp.strategies import MissingCompressionMod
+
     model = _model()
     strategy = CompressedStrategy(FedAvg(min_available_nodes=1, min_train_nodes=1), upload="none()")
     (msg,) = strategy.configure_train(1, ArrayRecord(model), ConfigRecord({}), FakeGrid([7]))
     plain = Message(RecordDict({"arrays": ArrayRecord(model), "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
-    arrays, _ = strategy.aggregate_train(1, [plain])
-    assert arrays is None
+    with pytest.raises(MissingCompressionMod, match=r"compression_mod.*ClientApp\(mods=\[compression_mod\]\)"):
+        strategy.aggregate_train(1, [plain])
     assert "compression_mod" in strategy.rounds[1].clients[0]["status"]
 
 
