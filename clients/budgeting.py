@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 from flwr.app import RecordDict
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from fedcomp.msgsize import message_bytes
 
 import fedcomp
 from fedcomp.base import add_residual
@@ -35,11 +35,6 @@ from fedcomp.budget import FALLBACKS, BudgetTooSmall, fit_update
 from fedcomp import links
 
 REFITS = 4  # fits at most per upload (the first plus corrections for the record's framing)
-
-
-def reply_bytes(content: RecordDict) -> int:
-    """Bytes Flower transmits for a reply's content (the server's count of upload bytes)."""
-    return sum(len(obj.deflate()) for obj in get_all_nested_objects(content).values())
 
 
 @dataclass
@@ -86,7 +81,7 @@ def budgeted_upload(
         enc, res = fedcomp.compress(codec, update, residual, nonce=nonce, error_feedback=error_feedback,
                                     round=round, state=st)
         return BudgetedUpload(enc, res, st, codec.spec, None, "unlimited", build(enc.payload, codec.spec))
-    overhead = reply_bytes(build(b"", spec))
+    overhead = message_bytes(build(b"", spec))
     target = budget
     for _ in range(REFITS):
         try:
@@ -96,7 +91,7 @@ def budgeted_upload(
         except BudgetTooSmall as exc:
             return _too_small(exc, spec, update, residual, budget, build, fallback, nonce, round, state, error_feedback)
         content = build(fit.encoded.payload, fit.spec)
-        real = reply_bytes(content)
+        real = message_bytes(content)
         if real <= budget:
             status = "saturated" if fit.saturated else "fit"
             return BudgetedUpload(fit.encoded, fit.residual or {}, fit.state, fit.spec, budget, status, content,

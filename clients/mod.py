@@ -49,7 +49,8 @@ from fedcomp import links
 from fedcomp import protocol as P
 from fedcomp.base import add_residual
 from fedcomp.broadcast import ResyncNeeded, apply_plan, parse_thresholds, tier_for_kbps
-from fedcomp.clients.budgeting import budgeted_upload, reply_bytes
+from fedcomp.clients.budgeting import budgeted_upload
+from fedcomp.msgsize import message_bytes
 from fedcomp.clients.state import ClientState
 
 ENCODE_HISTORY = 5  # recent encode times kept; the budget reserves the longest of them (x ENCODE_MARGIN)
@@ -148,18 +149,19 @@ def _warn_unwrapped(context: Context) -> None:
         state.save(context)
 
 
-def _broadcast(cfg) -> tuple[fedcomp.Layout, fedcomp.Codec, dict]:
-    """The broadcast's layout, upload codec and plan arguments; ModError when it is unreadable
-    (every key the mod reads later is checked here too)."""
+def _broadcast(cfg, evaluate: bool = False) -> tuple[fedcomp.Layout, fedcomp.Codec | None, dict]:
+    """The broadcast's layout, upload codec (None for an evaluate broadcast) and plan arguments;
+    ModError when it is unreadable (every key the mod reads later is checked here too)."""
     try:
         layout = fedcomp.Layout.from_json(str(cfg[P.LAYOUT]))
-        upload = fedcomp.build_codec(str(cfg[P.UPLOAD_SPEC]))
+        upload = None if evaluate else fedcomp.build_codec(str(cfg[P.UPLOAD_SPEC]))
         plan = dict(mode=str(cfg[P.MODE]), tier=int(cfg[P.TIER]), spec=str(cfg[P.DOWNLOAD_SPEC]),
                     payloads=[bytes(p) for p in cfg[P.PAYLOADS]], rounds=[int(r) for r in cfg[P.ROUNDS]],
                     base_crc=int(cfg[P.BASE_CRC]), crc=int(cfg[P.REF_CRC]), layout=layout)
         number = (int, float)
         for key, kind, required in ((P.TIERS, int, True), (P.SEED, int, True), (P.ROUND, int, True),
-                                    (P.ARRAYS_KEY, str, True), (P.ERROR_FEEDBACK, bool, True), (P.TIER_KBPS, str, True),
+                                    (P.ARRAYS_KEY, str, True), (P.ERROR_FEEDBACK, bool, not evaluate),
+                                    (P.TIER_KBPS, str, True),
                                     (P.DELTA, number, False), (P.DELTA_REF, int, False), (P.ACK_ROUND, int, False),
                                     (P.LINK_PROFILE, str, False), (P.DEADLINE, number, False), (P.FALLBACK, str, False)):
             if (required or key in cfg) and not isinstance(cfg[key], kind):
@@ -180,9 +182,11 @@ def _broadcast(cfg) -> tuple[fedcomp.Layout, fedcomp.Codec, dict]:
 def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: ClientState) -> Message:
     start = perf_counter()  # compute time: decode + training + encode (what the client does)
     cfg = msg.content.config_records[P.DOWNLOAD_RECORD]
+    if cfg.get(P.KIND) == "evaluate":
+        return _evaluate(msg, context, call_next, state, cfg)
     layout, upload, plan = _broadcast(cfg)
     link = node_link(context, cfg)
-    download_seen = reply_bytes(msg.content) if link is not None else 0
+    download_seen = message_bytes(msg.content) if link is not None else 0
     try:
         want = desired_tier(context, int(cfg[P.TIERS]), str(cfg[P.TIER_KBPS]), link)
     except (fedcomp.SpecError, TypeError, ValueError) as exc:  # ModError passes: it is not among them
@@ -199,6 +203,9 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
                            P.COMPUTE_S: float(perf_counter() - start)})
         return Message(RecordDict({P.UPLOAD_RECORD: ConfigRecord(record)}), reply_to=msg)
     state.reference, state.reference_info = received, info
+    # the first reply after a full reference says what this mod can do (evaluate broadcasts);
+    # a server that restarted sends a full reference again and so learns it again
+    capabilities = {P.CAPABILITIES: [P.EVALUATE_CAPABILITY]} if plan["mode"] == "full" else {}
 
     arrays_key = str(cfg[P.ARRAYS_KEY])
     inner = RecordDict({k: v for k, v in msg.content.items() if k != P.DOWNLOAD_RECORD})
@@ -242,7 +249,7 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
     nonce = fedcomp.derive_nonce(int(cfg[P.SEED]), server_round, ident)
     rest = RecordDict({k: v for k, v in reply.content.items() if k != array_keys[0]})
     record = {P.ARRAYS_KEY: array_keys[0], P.DELTA_REF: ref, P.TIER: info[0], P.REF_VERSION: info[1],
-              P.REF_CRC: info[2], P.WANT_TIER: want}
+              P.REF_CRC: info[2], P.WANT_TIER: want, **capabilities}
     if link is not None:
         reply.content = _budgeted_reply(
             state, cfg, upload.spec, link, delta, residual, codec_state, rest, record, nonce=nonce,
@@ -255,6 +262,34 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
     _remember(state, cfg, encoded, new_residual, codec_state, server_round, use_ef, beta, last_sent)
     rest[P.UPLOAD_RECORD] = ConfigRecord({P.PAYLOAD: encoded.payload, **record})
     reply.content = rest
+    return reply
+
+
+def _evaluate(msg: Message, context: Context, call_next: ClientAppCallable, state: ClientState, cfg) -> Message:
+    """An evaluate broadcast of a wrapped strategy: move the reference as for training, let the app
+    evaluate it, and tell the server which reference this node holds now (no payload)."""
+    _, _, plan = _broadcast(cfg, evaluate=True)
+    try:
+        want = desired_tier(context, int(cfg[P.TIERS]), str(cfg[P.TIER_KBPS]), node_link(context, cfg))
+    except (fedcomp.SpecError, TypeError, ValueError) as exc:
+        raise ModError(f"fedcomp could not place this node in a download tier: {exc}; check the node config's "
+                       f"download-tier, downlink-kbps and partition-id") from exc
+    try:
+        received, info = apply_plan(state.reference, state.reference_info, **plan)
+    except fedcomp.FedcompError as exc:
+        state.reference, state.reference_info = None, None
+        reason = str(exc) if isinstance(exc, ResyncNeeded) else f"broadcast did not decode: {exc}"
+        return Message(RecordDict({P.UPLOAD_RECORD: ConfigRecord({P.RESYNC: reason, P.WANT_TIER: want})}),
+                       reply_to=msg)
+    state.reference, state.reference_info = received, info
+    inner = RecordDict({k: v for k, v in msg.content.items() if k != P.DOWNLOAD_RECORD})
+    inner[str(cfg[P.ARRAYS_KEY])] = ArrayRecord(received)
+    msg.content = inner
+    reply = call_next(msg, context)
+    if reply.has_error():
+        return reply
+    reply.content[P.UPLOAD_RECORD] = ConfigRecord({P.TIER: info[0], P.REF_VERSION: info[1], P.REF_CRC: info[2],
+                                                   P.WANT_TIER: want})
     return reply
 
 

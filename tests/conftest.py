@@ -7,10 +7,17 @@ from flwr.supercore.task_identity import TaskIdentity
 @pytest.fixture(autouse=True)
 def task_identity():
     """Flower Messages need a run/task identity, which a Flower process sets; restore it afterwards."""
-    saved = (TaskIdentity._run_id, TaskIdentity._task_id, TaskIdentity._node_id)
+    def current(name):
+        try:
+            return getattr(TaskIdentity, name)
+        except RuntimeError:  # not set in this process
+            return None
+
+    saved = {name: current(name) for name in ("run_id", "task_id", "node_id")}
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
     yield
-    TaskIdentity._run_id, TaskIdentity._task_id, TaskIdentity._node_id = saved
+    for name, value in saved.items():  # the public setters take None back
+        setattr(TaskIdentity, name, value)
 
 
 class FakeGrid:

@@ -157,14 +157,15 @@ def _build(payload: bytes, spec: str):
 
 @pytest.mark.parametrize("cap", [2_500, 3_333, 5_000])
 def test_budgeted_reply_fits_the_byte_cap(cap):
-    from fedcomp.clients.budgeting import budgeted_upload, reply_bytes
+    from fedcomp.clients.budgeting import budgeted_upload
+    from fedcomp.msgsize import message_bytes
     from fedcomp.links import Link
 
     upd = {k: v for k, v in update().items() if v.is_floating_point()}
     out = budgeted_upload("topk(ratio=0.01)+qsgd(bits=4)", upd, None, link=Link(200, 1000, 300, byte_cap=cap),
                           download_bytes=0, compute_s=0.0, build=_build, nonce=1, round=2, state=None,
                           error_feedback=True)
-    real = reply_bytes(out.content)
+    real = message_bytes(out.content)
     assert out.status == "fit" and real <= cap and real >= budget.FILL * cap
     assert out.content["fedcomp.upload"]["payload"] == out.encoded.payload
 

@@ -354,3 +354,39 @@ def test_mean_applied_in_the_models_dtype_without_truncation(dtype):
         assert torch.equal(out, expected)
     if dtype == torch.float64:  # float64 models keep float64 steps (no fp32 truncation)
         assert torch.equal(apply_step({"t": base}, {"t": ups[0]})["t"], base + ups[0])
+
+
+def test_mod_evaluates_through_chains_exactly_the_reference_it_will_train_from():
+    """The real mod on both sides of evaluation: it announces the capability after its first full
+    reference, then gets evaluate broadcasts as chains, hands the app exactly its tier's reference
+    (bit for bit what the server holds), and the next training round needs no resync."""
+    contexts = _contexts(2)
+    seen = {}
+
+    def evaluator(node):
+        def evaluate(msg: Message, context: Context) -> Message:
+            seen[node] = dict(msg.content.array_records["arrays"].to_torch_state_dict())
+            return Message(RecordDict({"metrics": MetricRecord({"eval_loss": 0.1, "num-examples": 3})}),
+                           reply_to=msg)
+        return evaluate
+
+    def handle(node, msg):
+        if msg.metadata.message_type.startswith("evaluate"):
+            return compression_mod(msg, contexts[node], evaluator(node))
+        return compression_mod(msg, contexts[node], _toy_trainer(node))
+
+    strategy = CompressedStrategy(_fedavg(2, fraction_evaluate=1.0, min_evaluate_nodes=2),
+                                  upload="topk(ratio=0.2)", download="topk(ratio=0.1)+kbit(bits=8)")
+    strategy.start(grid=Grid([1, 2], handle), initial_arrays=ArrayRecord(_model()), num_rounds=3)
+    for r in (1, 2, 3):
+        s = strategy.rounds[r]
+        assert sorted(c["mode"] for c in s.evaluate_clients) == ["chain", "chain"], s.evaluate_clients
+        assert s.evaluate_download_bytes < s.evaluate_download_bytes_dense / 3
+        assert all("status" not in c for c in s.evaluate_clients)
+        assert [c["status"] for c in s.clients] == ["ok", "ok"]
+    tier = strategy.tiers[0]
+    for node in (1, 2):
+        held = contexts[node].state.array_records[P.REF_STATE].to_torch_state_dict()
+        assert all(torch.equal(seen[node][k], held[k]) for k in held)
+        assert all(torch.equal(held[k], tier.reference[k]) for k in held)
+    assert all(d["mode"] == "chain" for r in (2, 3) for d in strategy.rounds[r].downloads)
