@@ -1,4 +1,6 @@
-"""The project's ClientApp: trains the task model on its partition; ``compression_mod`` compresses.
+"""The project's ClientApp: trains the task model on its partition (``compression_mod`` compresses
+the reply) and, when the run config's ``fraction-evaluate`` is above 0, evaluates the model it is
+sent on that partition.
 
 Run config keys read here: ``task`` (default ``digits``), ``model``, ``local-epochs``, ``lr``,
 ``batch-size``, ``seed``, ``partition-alpha``. Data loading is memoised per process
@@ -45,6 +47,30 @@ def validate_node_config(node_config) -> tuple[int, int]:
             raise ValueError(f"node config device={device!r} is invalid: device must be a torch device "
                              f"such as 'cpu', 'cuda' or 'cuda:1'") from None
     return pid, parts
+
+
+def _model_and_data(msg: Message, context: Context):
+    cfg = context.run_config
+    seed = int(cfg["seed"])
+    task_name = str(cfg.get("task", "digits"))
+    model = task.build_model(str(cfg["model"]), seed=seed, task=task_name)
+    model.load_state_dict(msg.content.array_records["arrays"].to_torch_state_dict())
+    pid, parts = validate_node_config(context.node_config)
+    x, y = task.load_partition(task_name, pid, parts, float(cfg["partition-alpha"]), seed)
+    return model, x, y
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Federated evaluation: the model it is sent (through ``compression_mod``: its tier's reference)
+    on this node's partition."""
+    model, x, y = _model_and_data(msg, context)
+    loss, accuracy = task.evaluate(model, x, y, device=node_device(context))
+    return Message(
+        RecordDict({"metrics": MetricRecord({"eval_loss": loss, "eval_accuracy": accuracy,
+                                             "num-examples": int(len(y))})}),
+        reply_to=msg,
+    )
 
 
 @app.train()

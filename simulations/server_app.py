@@ -26,7 +26,7 @@ from fedcomp.strategies.wrapper import CompressedStrategy
 app = ServerApp()
 
 CONFIG_KEYS = (
-    "num-server-rounds", "fraction-train", "task", "model", "local-epochs", "lr", "batch-size", "seed",
+    "num-server-rounds", "fraction-train", "fraction-evaluate", "task", "model", "local-epochs", "lr", "batch-size", "seed",
     "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum", "delta",
     "download-tier-kbps", "download-max-stale", "link-profile", "round-deadline-s", "budget-fallback",
     "streaming",
@@ -53,6 +53,7 @@ def validate_run_config(run_config) -> dict:
         raise ValueError(f"run config has unknown keys {unknown}; allowed: {', '.join(CONFIG_KEYS)}")
     _check(cfg, "num-server-rounds", int, "a positive integer", lambda v: v >= 1)
     _check(cfg, "fraction-train", float, "a fraction in (0, 1]", lambda v: 0 < v <= 1)
+    _check(cfg, "fraction-evaluate", float, "a fraction in [0, 1] (0: central evaluation only)", lambda v: 0 <= v <= 1)
     _check(cfg, "task", str, f"one of {tuple(task.TASKS)}", lambda v: v in task.TASKS)
     _check(cfg, "model", str, f"one of {task.TASKS[cfg['task']].models} for task {cfg['task']!r}",
            lambda v: v in task.TASKS[cfg["task"]].models)
@@ -124,7 +125,8 @@ def main(grid: Grid, context: Context) -> None:
     out_dir = Path(str(cfg["out-dir"])).expanduser().resolve()
 
     strategy = CompressedStrategy(
-        FedAvg(fraction_train=float(cfg["fraction-train"]), fraction_evaluate=0.0),
+        FedAvg(fraction_train=float(cfg["fraction-train"]), fraction_evaluate=float(cfg["fraction-evaluate"]),
+               min_evaluate_nodes=1),
         upload=str(cfg["upload"]),
         download=str(cfg["download"]),
         error_feedback=bool(cfg["error-feedback"]),

@@ -179,6 +179,7 @@ def test_run_config_max_update_norm_validated():
 BAD_RUN_CONFIG = {
     "num-server-rounds": (0, "positive integer"),
     "fraction-train": (1.5, "a fraction in (0, 1]"),
+    "fraction-evaluate": (-0.5, "a fraction in [0, 1]"),
     "task": ("imagenet", "one of"),
     "model": ("resnet", "one of"),
     "local-epochs": (0, "positive integer"),
