@@ -172,7 +172,9 @@ def test_no_link_behaves_as_before():
     seen = []
     _round(strategy, tiny_model(), contexts, 1,
            tamper=lambda node, reply: seen.append(set(reply.content.config_records[P.UPLOAD_RECORD])))
-    assert seen[0] == {P.PAYLOAD, P.ARRAYS_KEY, P.DELTA_REF, P.TIER, P.REF_VERSION, P.REF_CRC, P.WANT_TIER}
+    # round 1 brought the full reference: the reply also announces the mod's capabilities, once
+    assert seen[0] == {P.PAYLOAD, P.ARRAYS_KEY, P.DELTA_REF, P.TIER, P.REF_VERSION, P.REF_CRC, P.WANT_TIER,
+                       P.CAPABILITIES}
     assert strategy.rounds[1].links == [] and strategy.rounds[1].sim_time_s is None
 
 
