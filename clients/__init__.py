@@ -1,4 +1,4 @@
-"""Flower client side of fedcomp: the compression mod and the project's ClientApp."""
+"""Flower client side of fedcomp (import `fedcomp.clients`): the compression mod and its per-node state."""
 
 from fedcomp.clients.mod import compression_mod
 

@@ -1,1 +1,1 @@
-"""Federated simulations on fedcomp: the default task, runners and results."""
+"""The project's Flower apps, tasks, experiments, benchmarks and deployment helpers (import `fedcomp.simulations`)."""

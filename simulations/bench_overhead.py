@@ -39,7 +39,7 @@ _TIMES: dict[str, list[float]] = {}
 
 
 def _train(msg: Message, context: Context) -> Message:
-    """clients/app.py's train, with the run config fixed in CFG (run_simulation passes none)."""
+    """simulations/client_app.py's train, with the run config fixed in CFG (run_simulation passes none)."""
     seed = CFG["seed"]
     model = task.build_model(CFG["model"], seed=seed)
     model.load_state_dict(msg.content.array_records["arrays"].to_torch_state_dict())
