@@ -50,6 +50,7 @@ def validate_node_config(node_config) -> tuple[int, int]:
 
 
 def _model_and_data(msg: Message, context: Context):
+    """The task's model holding the message's arrays, and this node's partition (x, y, partition id)."""
     cfg = context.run_config
     seed = int(cfg["seed"])
     task_name = str(cfg.get("task", "digits"))
@@ -57,14 +58,14 @@ def _model_and_data(msg: Message, context: Context):
     model.load_state_dict(msg.content.array_records["arrays"].to_torch_state_dict())
     pid, parts = validate_node_config(context.node_config)
     x, y = task.load_partition(task_name, pid, parts, float(cfg["partition-alpha"]), seed)
-    return model, x, y
+    return model, x, y, pid
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Federated evaluation: the model it is sent (through ``compression_mod``: its tier's reference)
     on this node's partition."""
-    model, x, y = _model_and_data(msg, context)
+    model, x, y, _ = _model_and_data(msg, context)
     loss, accuracy = task.evaluate(model, x, y, device=node_device(context))
     return Message(
         RecordDict({"metrics": MetricRecord({"eval_loss": loss, "eval_accuracy": accuracy,
@@ -77,11 +78,7 @@ def evaluate(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     cfg = context.run_config
     seed = int(cfg["seed"])
-    task_name = str(cfg.get("task", "digits"))
-    model = task.build_model(str(cfg["model"]), seed=seed, task=task_name)
-    model.load_state_dict(msg.content.array_records["arrays"].to_torch_state_dict())
-    pid, parts = validate_node_config(context.node_config)
-    x, y = task.load_partition(task_name, pid, parts, float(cfg["partition-alpha"]), seed)
+    model, x, y, pid = _model_and_data(msg, context)
     server_round = int(msg.content.config_records["config"].get("server-round", 0))
     loss = task.train(
         model, x, y,
