@@ -49,6 +49,7 @@ class CompressionConfig:
     budget_fallback: str = "skip"  # below the coarsest setting: 'skip' or 'coarsest'
     streaming: bool = True  # decode replies as they arrive
     compress_evaluate: bool = True  # evaluate broadcasts through the tiers' references (capable clients)
+    exact_statistics: bool = True  # BatchNorm running statistics travel exact (fedcomp.tensor_kinds)
 
     def __post_init__(self) -> None:
         codec = fedcomp.build_codec(self.upload)  # SpecError on a bad spec
@@ -60,7 +61,7 @@ class CompressionConfig:
         if agg == "sketch" and not codec.linear:
             raise fedcomp.SpecError(
                 f"aggregation='sketch' needs a linear upload codec such as 'sketch(rows=1, cols=4000)', got {self.upload!r}")
-        for name in ("error_feedback", "streaming", "compress_evaluate"):
+        for name in ("error_feedback", "streaming", "compress_evaluate", "exact_statistics"):
             if not isinstance(getattr(self, name), bool):
                 raise fedcomp.SpecError(f"{name}={getattr(self, name)!r} is invalid: True or False")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

@@ -55,6 +55,7 @@ from fedcomp.msgsize import message_bytes
 from fedcomp.strategies.config import CompressionConfig
 from fedcomp.strategies.replies import MissingCompressionMod, NoUsableReplies, ReplyHistory, RoundReplies, summarize
 from fedcomp.strategies.streaming import StreamingGrid, can_stream
+from fedcomp.tensor_kinds import STATISTIC, exact_state_policy, split_kinds
 
 __all__ = ["CompressedStrategy", "CompressionConfig", "RoundStats", "message_bytes", "MissingCompressionMod",
            "NoUsableReplies", "canonical_order"]
@@ -318,6 +319,7 @@ class CompressedStrategy(Strategy):
         layout = fedcomp.Layout.of(model)
         if layout != self._layout:
             self._accumulator = None
+            self._exact_statistics(layout)
         self._layout = layout
         self._base = {k: v.detach().cpu() for k, v in model.items()}
         self._dense_model_bytes = message_bytes(ArrayRecord(self._base))
@@ -325,6 +327,25 @@ class CompressedStrategy(Strategy):
             if tier.reference is None:  # all tiers start from the same model: early tier changes are cheap
                 tier.start(model)
         return model
+
+    def _exact_statistics(self, layout: fedcomp.Layout) -> None:
+        """Send the model's running statistics (BatchNorm's ``running_mean``/``running_var``) exact:
+        compressed like weights, with error feedback, they drift and a variance goes negative
+        (measured: ``python -m fedcomp.simulations.task_runs bn-check``). The upload and every lossy
+        download tier get ``name~*running_*: none();`` rules in front, before any tier has encoded."""
+        if not self.config.exact_statistics or not split_kinds(layout)[STATISTIC]:
+            return
+        if self.aggregation == "sketch" or self.config.link_profile != links.NONE:
+            log(WARNING, "fedcomp: the model has running statistics (BatchNorm), compressed like weights here "
+                "(%s); a negative variance is possible: prefer aggregation='decode' without link budgets for it",
+                "FetchSGD sketches every float" if self.aggregation == "sketch" else "byte budgets need a plain spec")
+            return
+        if not self.upload.lossless:
+            self.upload = fedcomp.build_codec(exact_state_policy(self.config.upload, layout))
+        for tier in self.tiers:
+            if tier.reference is None and not tier.codec.lossless:
+                tier.codec = fedcomp.build_codec(exact_state_policy(tier.codec.spec, layout))
+        log(INFO, "fedcomp: running statistics travel exact; upload %s", self.upload.spec)
 
     def _step_tier(self, tier: Tier, model: dict[str, torch.Tensor], version: int) -> int:
         """Move a tier's reference to ``version`` (once: federated evaluation may have done it)."""
