@@ -408,15 +408,35 @@ def load_partition(task: str, partition_id: int, num_partitions: int, alpha: flo
     _check_task(task)
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition_id must be in [0, {num_partitions}), got {partition_id!r}")
-    if task == "digits":
-        return partition(_digits_split(seed)[0], num_partitions, partition_id, alpha, seed)
-    if task == "mnist":
-        return partition(_mnist_split(seed)[0], num_partitions, partition_id, alpha, seed)
+    if task in ("digits", "mnist"):
+        return _cached_partition(task, partition_id, num_partitions, alpha, seed)
     if task == "stdlib-chars":
         return _windows(_char_partition_indices(int(num_partitions), int(seed))[partition_id])
     from fedcomp.simulations.datasets import load_online_partition
 
     return load_online_partition(task, partition_id, num_partitions, alpha, seed)
+
+
+PARTITION_CACHE_VERSION = 1  # bump when partition() or the splits change what they return
+
+
+def _cached_partition(task: str, partition_id: int, num_partitions: int, alpha: float,
+                      seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partition(split of task, ...)``, kept on disk: a deployed ClientApp runs in a fresh
+    process per message, and building the split and the Dirichlet partition (scikit-learn,
+    flwr-datasets) costs it about 3 s each time; reading the cached arrays costs milliseconds."""
+    from fedcomp.simulations.datasets import _load_npz, _save_npz, cache_dir
+
+    name = f"{task}-v{PARTITION_CACHE_VERSION}-seed{seed}-n{num_partitions}-alpha{float(alpha)!r}-p{partition_id}.npz"
+    path = cache_dir() / "partitions" / name
+    cached = _load_npz(path, ("x", "y"))
+    if cached is not None:
+        return torch.from_numpy(cached["x"]), torch.from_numpy(cached["y"])
+    split = (_digits_split if task == "digits" else _mnist_split)(seed)[0]
+    x, y = partition(split, num_partitions, partition_id, alpha, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _save_npz(path, x=x.numpy(), y=y.numpy())
+    return x, y
 
 
 # ------------------------------------------------------------------------- models

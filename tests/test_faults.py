@@ -461,7 +461,7 @@ def test_canonical_order_is_needed_for_bitwise_sums():
 
 @pytest.mark.slow
 def test_flwr_run_twice_gives_the_same_curve(superlink, tmp_path):  # noqa: F811
-    config = "num-server-rounds=3 seed=5 upload='topk(ratio=0.05)+qsgd(bits=4)'"
+    config = "num-server-rounds=2 seed=5 upload='topk(ratio=0.05)+qsgd(bits=4)'"
     runs = [_flwr_run(superlink, tmp_path / f"run{i}", config) for i in range(2)]
     curves = [[(r["accuracy"], r["loss"], r["upload_bytes"]) for r in run["rounds"]] for run in runs]
     assert curves[0] == curves[1] and len(curves[0]) == 3
@@ -521,7 +521,7 @@ def test_supernode_killed_and_restarted_resyncs_and_run_goes_on(tmp_path):
 
     from fedcomp.simulations import deploy
 
-    rounds = 7
+    rounds = 6
     with deploy.deployment(tmp_path / "deploy", 2, tls=True, auth=True) as dep:
         out = tmp_path / "run"
         out.mkdir()

@@ -157,3 +157,24 @@ def test_plots_are_png(tmp_path):
     assert multi.read_bytes().startswith(b"\x89PNG")
     with pytest.raises(ValueError):
         results.plot_runs({}, tmp_path / "c.png")
+
+
+def test_partitions_are_cached_on_disk(tmp_path, monkeypatch):
+    """A deployed ClientApp is a fresh process per message: its partition comes from disk, equal to
+    what partition() builds, and is rebuilt when the file is unreadable."""
+    monkeypatch.setenv("FEDCOMP_CACHE_DIR", str(tmp_path))
+    x, y = task.load_partition("digits", 1, 4, 0.5, 0)
+    ref_x, ref_y = task.partition(task._digits_split(0)[0], 4, 1, 0.5, 0)
+    assert torch.equal(x, ref_x) and torch.equal(y, ref_y)
+    files = list((tmp_path / "partitions").glob("digits-*-p1.npz"))
+    assert len(files) == 1
+
+    def boom(*args, **kwargs):
+        raise AssertionError("partition() ran although the cache holds it")
+
+    monkeypatch.setattr(task, "partition", boom)
+    x2, y2 = task.load_partition("digits", 1, 4, 0.5, 0)
+    assert torch.equal(x2, x) and torch.equal(y2, y) and x2.dtype == x.dtype
+    files[0].write_bytes(b"not an npz")
+    with pytest.raises(AssertionError, match="partition\\(\\) ran"):  # unreadable: rebuilt
+        task.load_partition("digits", 1, 4, 0.5, 0)
