@@ -23,6 +23,21 @@ from fedcomp.errors import SpecError
 from fedcomp.layout import Layout
 
 
+def sketch_step(reducer, momentum: torch.Tensor, error: torch.Tensor, summed: torch.Tensor, rho: float,
+                numel: int) -> torch.Tensor:
+    """One FetchSGD step for one segment's sketch, updating ``momentum`` and ``error`` in place:
+    ``S_u <- rho S_u + S``; ``S_e <- S_e + S_u``; ``delta = heavy hitters of S_e`` (``numel``
+    values, dense); momentum and error are zeroed at every cell ``delta`` hashes to. Returns the
+    flat ``delta``."""
+    momentum.mul_(rho).add_(summed)
+    error.add_(momentum)
+    delta = reducer.heavy_hitters(error, numel)
+    applied = reducer.sketch(delta) != 0
+    momentum[applied] = 0
+    error[applied] = 0
+    return delta
+
+
 class FetchSGD:
     """Sketch-space aggregation, momentum and error accumulation for a linear upload codec.
 
@@ -84,12 +99,7 @@ class FetchSGD:
         reducer = self.codec.reducer
         step = {}
         for j, ((seg, group), s_j) in enumerate(zip(self.codec.segments(layout), summed)):
-            self._momentum[j] = self.rho * self._momentum[j] + s_j
-            self._error[j] += self._momentum[j]
-            delta = reducer.heavy_hitters(self._error[j], seg.numel)
-            applied = reducer.sketch(delta) != 0
-            self._momentum[j][applied] = 0
-            self._error[j][applied] = 0
+            delta = sketch_step(reducer, self._momentum[j], self._error[j], s_j, self.rho, seg.numel)
             offset = 0
             for i in group:
                 spec = layout.tensors[i]

@@ -44,6 +44,7 @@ import torch
 
 from fedcomp.codec import Codec
 from fedcomp.errors import DecodeError, FedcompError, SpecError
+from fedcomp.fetchsgd import sketch_step
 from fedcomp.layout import Layout
 
 
@@ -142,12 +143,7 @@ class ServerFeedback:
         else:
             sums = [torch.zeros_like(e) for e in self._error]
         for j, ((seg, group), s_j) in enumerate(zip(self._segments, sums)):
-            self._velocity[j].mul_(self.momentum).add_(s_j)
-            self._error[j].add_(self._velocity[j])
-            delta = reducer.heavy_hitters(self._error[j], seg.numel)
-            applied = reducer.sketch(delta) != 0
-            self._velocity[j][applied] = 0
-            self._error[j][applied] = 0
+            delta = sketch_step(reducer, self._velocity[j], self._error[j], s_j, self.momentum, seg.numel)
             offset = 0
             for i in group:
                 spec = self.layout.tensors[i]

@@ -143,7 +143,9 @@ class CompressedFedAvg:
             mean = acc.mean()
             glob = {k: (glob[k] + mean[k]) if not glob[k].is_floating_point()
                     else (glob[k].float() + mean[k].float()).to(glob[k].dtype) for k in layout.names}
-        else:  # CompressedStrategy._aggregate_sketches, replayed
+        else:  # CompressedStrategy's FetchSGD path, replayed
+            from fedcomp.fetchsgd import sketch_step
+
             glob = dict(glob)
             total = sum(sk_weights)
             summed = [sum(v[j] * (w / total) for v, w in zip(sketches, sk_weights)) for j in range(len(sketches[0]))]
@@ -152,12 +154,7 @@ class CompressedFedAvg:
                 self.error = [torch.zeros_like(v) for v in summed]
             reducer = self.codec.reducer
             for j, ((seg, group), s_j) in enumerate(zip(self.codec.segments(self.sketched), summed)):
-                self.momentum[j] = self.server_momentum * self.momentum[j] + s_j
-                self.error[j] += self.momentum[j]
-                step = reducer.heavy_hitters(self.error[j], seg.numel)
-                applied = reducer.sketch(step) != 0
-                self.momentum[j][applied] = 0
-                self.error[j][applied] = 0
+                step = sketch_step(reducer, self.momentum[j], self.error[j], s_j, self.server_momentum, seg.numel)
                 offset = 0
                 for i in group:
                     t = self.sketched.tensors[i]
