@@ -10,7 +10,6 @@ certificate script without Flower.
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 
@@ -177,36 +176,3 @@ def test_insecure_deployment_compressed_vs_dense(tmp_path):
         # one HTTP/2 stream per Fleet RPC (a call in flight at either end of the window may
         # be counted on one side only)
         assert abs(c2s["streams"] - sum(run.rpcs.values())) <= 2 * CLIENTS, (c2s["streams"], run.rpcs)
-
-
-@pytest.mark.slow
-def test_tls_and_supernode_auth(tmp_path):
-    with deploy.deployment(tmp_path / "deploy", CLIENTS, tls=True, auth=True) as dep:
-        registered = {int(n["node-id"]) for n in _nodes(dep)}
-        assert len(registered) == CLIENTS
-        assert set(dep.activated_nodes()) == registered
-
-        # A SuperNode whose key was never registered: started next to the run, refused.
-        (intruder_key,) = make_node_keys(tmp_path / "intruder", ["intruder"])
-        intruder = deploy.start_supernode(dep, 0, 1, key=intruder_key, name="intruder", max_retries=2)
-        dep.extra.append(intruder)  # stopped with the deployment if still alive
-
-        run = deploy.run_app(dep, "num-server-rounds=1", tmp_path / "run", timeout=300)
-        _check_run(run, 1)
-        assert {c["node"] for c in run.results["rounds"][0]["clients"]} == registered
-
-        code = intruder.popen.wait(timeout=60)
-        assert code != 0, intruder.log()[-2000:]
-        assert "Failed to activate SuperNode" in intruder.log()
-        assert set(dep.activated_nodes()) == registered  # the SuperLink never activated it
-        assert "No SuperNode found with the given public key" in dep.superlink.log()
-        assert {int(n["node-id"]) for n in _nodes(dep)} == registered
-
-        # TLS on the wire: the relay saw no cleartext HTTP/2
-        h2 = run.http2["client_to_server"]
-        assert h2["preface_bytes"] == 0 and h2["opaque_bytes"] == run.total.client_to_server > 0
-
-
-def _nodes(dep: deploy.Deployment) -> list[dict]:
-    out = dep.flwr("supernode", "list", deploy.CONNECTION, "--format", "json").stdout
-    return json.loads(out[out.index("{"):])["nodes"]

@@ -468,6 +468,15 @@ def test_flwr_run_twice_gives_the_same_curve(superlink, tmp_path):  # noqa: F811
 
 
 # -- deployment: a SuperNode killed mid-run and restarted has lost Context.state ------------------
+def _nodes(dep) -> list[dict]:
+    import json
+
+    from fedcomp.simulations import deploy
+
+    out = dep.flwr("supernode", "list", deploy.CONNECTION, "--format", "json").stdout
+    return json.loads(out[out.index("{"):])["nodes"]
+
+
 def _wait_rounds(path, count, proc, timeout):
     import json
     import time
@@ -512,7 +521,8 @@ def _restart_supernode(dep, index, timeout=240):
 
 @pytest.mark.slow
 def test_supernode_killed_and_restarted_resyncs_and_run_goes_on(tmp_path):
-    """SIGKILL one of two SuperNodes after round 2 and start it again with the same key (so the
+    """TLS and SuperNode authentication (an unregistered key is refused, no cleartext on the wire),
+    and a crash: SIGKILL one of two SuperNodes after round 2 and start it again with the same key (so the
     same node id): its ClientApp state (broadcast reference, residual) is gone. The server still
     holds the node's old reference, the node answers with a resync request, gets a full model in
     the next round, and the run finishes every round with a finite model."""
@@ -521,8 +531,17 @@ def test_supernode_killed_and_restarted_resyncs_and_run_goes_on(tmp_path):
 
     from fedcomp.simulations import deploy
 
+    from fedcomp.simulations.certs import make_node_keys
+
     rounds = 6
     with deploy.deployment(tmp_path / "deploy", 2, tls=True, auth=True) as dep:
+        # SuperNode authentication: the two registered keys are activated; a key that was never
+        # registered, started next to the run, is refused (checked when the run is over)
+        registered = {int(n["node-id"]) for n in _nodes(dep)}
+        assert len(registered) == 2 and set(dep.activated_nodes()) == registered
+        (intruder_key,) = make_node_keys(tmp_path / "intruder", ["intruder"])
+        intruder = deploy.start_supernode(dep, 0, 1, key=intruder_key, name="intruder", max_retries=2)
+        dep.extra.append(intruder)  # stopped with the deployment if still alive
         out = tmp_path / "run"
         out.mkdir()
         config = (f"num-server-rounds={rounds} download='topk(ratio=0.2)+qsgd(bits=8)' round-timeout=120.0 "
@@ -542,6 +561,14 @@ def test_supernode_killed_and_restarted_resyncs_and_run_goes_on(tmp_path):
         finally:
             if run.alive():
                 deploy.stop_process(run)
+        code = intruder.popen.wait(timeout=60)
+        assert code != 0, intruder.log()[-2000:]
+        assert "Failed to activate SuperNode" in intruder.log()
+        assert "No SuperNode found with the given public key" in dep.superlink.log()
+        assert {int(n["node-id"]) for n in _nodes(dep)} == registered  # the intruder never joined
+        # TLS on the wire: the relay saw no cleartext HTTP/2 in the whole deployment
+        h2 = dep.relay.http2_counts()["client_to_server"]
+        assert h2["preface_bytes"] == 0 and h2["opaque_bytes"] == dep.relay.counts().client_to_server > 0
     assert run.popen.returncode == 0, run.log()[-3000:]
     assert [r["round"] for r in data["rounds"]] == list(range(1, rounds + 1))
     assert all(math.isfinite(r["loss"]) for r in data["rounds"])
