@@ -5,22 +5,27 @@ The data path of one reply (used alike by ``CompressedStrategy``, the sweep and 
 1. :meth:`Accumulator.decode` reads and checks the whole payload with the codec's own reader
    (:meth:`fedcomp.Codec.decode_parts`: checksum, fingerprints, every count and index) and
    rejects non-finite values, so a bad payload raises before anything is added. Selectors
-   (top-k, threshold, random-k, DGC) stay sparse (positions + values, O(k) memory); every other
-   codec is decoded to dense tensors, one reply at a time.
+   (top-k, threshold, random-k, DGC) stay sparse (positions + values, O(k) memory). Every other
+   codec stays compact: a quantizer's codes stay packed (:class:`fedcomp.quantizers.Values`),
+   PowerSGD's factors stay factors; their dense values are built ``CHUNK`` elements at a time,
+   once to check them and measure the norm, once more to add them, never the whole reply.
 2. :func:`check_weight` and :class:`NormGuard` decide whether it counts (the weight must be a
    finite positive number; the update's L2 norm must not exceed a bound relative to the round's
    median norm, or an absolute one).
 3. :meth:`Accumulator.add_update` adds ``weight * update`` to the sum: scatter-add at the kept
-   positions for sparse updates, a chunked in-place add otherwise. Float tensors sum in float64,
+   positions for sparse updates, chunk by chunk otherwise. Float tensors sum in float64,
    where ``weight x value`` is exact for fp32/fp16/bf16 values and integer weights below 2**29,
    so the sum does not depend on the order replies arrive in and float64 models are not
    truncated; integer tensors also sum in float64 (exact below 2**53).
 4. :meth:`Accumulator.apply_mean` returns ``reference + sum / total weight`` in the reference's
    dtypes through :func:`apply_step`, the one "apply a step to a reference" function of fedcomp
-   (broadcasts use it too), and frees the sum.
+   (broadcasts use it too), and frees the sum tensor by tensor.
 
-Working memory: the float64 sum (two fp32 model copies, one float64 tensor each) plus one decoded reply (one copy, none
-for sparse codecs), whatever the number of replies; temporaries are bounded by ``CHUNK``.
+Working memory: the float64 sum (two fp32 model copies, one float64 tensor each) plus
+chunk-sized temporaries, whatever the number of replies. One dense reply more where a codec has
+no chunked reader: quantizers without ``read_values`` (twobit, terngrad: their codes are checked
+whole) and codecs other than :class:`fedcomp.Codec` (policy codecs). Chunked or whole, the sums
+have the same bits (elementwise arithmetic in the same order).
 """
 
 from __future__ import annotations
