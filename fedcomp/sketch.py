@@ -7,6 +7,12 @@ so a server can sum clients' tables without decoding them. Decoding ("unsketchin
 x_j = median_r s_r(j) S[r, h_r(j)] and keeps the k = ceil(ratio * n) largest estimates (the
 heavy hitters); with cols >= 8k and a few rows, every estimate is within O(||tail_k(x)|| / sqrt(k)).
 Upload compression is n / (rows * cols).
+
+Memory: no n-sized table is kept for a large segment (rows x n > ``HASH_CACHE``): hashes and signs
+are regenerated chunk by chunk from saved generator states (the same values), and unsketching
+estimates and ranks ``SELECT_CHUNK`` elements at a time, so sketching, estimating and taking the
+heavy hitters cost chunk-sized temporaries plus 2k candidates (and the dense result where one is
+asked for).
 """
 
 from __future__ import annotations
