@@ -27,7 +27,9 @@ from fedcomp.wire import Reader, Writer
 
 HASH_CACHE = 1 << 21  # hash entries (rows x elements) kept as tables; larger segments regenerate them
 HASH_CHUNK = 1 << 18  # hash entries per regenerated chunk (temporaries of about 4 MB)
-SELECT_CHUNK = 1 << 20  # estimates ranked per torch.topk call when unsketching
+# estimates ranked per torch.topk call when unsketching (its scratch: 16 bytes an estimate); every
+# model of the project's tasks (up to 1.2M floats) is one chunk, as before chunking
+SELECT_CHUNK = 1 << 21
 
 
 @register
