@@ -267,9 +267,12 @@ class Update:
             for name, chunks in self._lazy_tensors():
                 sq = 0.0  # per tensor, chunk by chunk: the sum _sq_norm forms for a dense tensor
                 for _, v in chunks:
-                    if not _finite(v):
+                    # squares of decoded (fp32-range) values cannot overflow in float64: the
+                    # chunk's norm is finite exactly when all its values are
+                    part = float(torch.linalg.vector_norm(v, dtype=torch.float64) ** 2)
+                    if not math.isfinite(part):
                         raise UpdateRejected(f"update of {name!r} has NaN or Inf values")
-                    sq += float(torch.linalg.vector_norm(v, dtype=torch.float64) ** 2)
+                    sq += part
                 total += sq
             self._norm = math.sqrt(total)
         return self._norm
