@@ -5,26 +5,32 @@ The data path of one reply (used alike by ``CompressedStrategy``, the sweep and 
 1. :meth:`Accumulator.decode` reads and checks the whole payload with the codec's own reader
    (:meth:`fedcomp.Codec.decode_parts`: checksum, fingerprints, every count and index) and
    rejects non-finite values, so a bad payload raises before anything is added. Selectors
-   (top-k, threshold, random-k, DGC) stay sparse (positions + values, O(k) memory); every other
-   codec is decoded to dense tensors, one reply at a time.
+   (top-k, threshold, random-k, DGC) stay sparse (positions + values, O(k) memory). Every other
+   codec stays compact: a quantizer's codes stay packed (:class:`fedcomp.quantizers.Values`),
+   PowerSGD's factors stay factors; their dense values are built ``CHUNK`` elements at a time,
+   once to check them and measure the norm, once more to add them, never the whole reply.
 2. :func:`check_weight` and :class:`NormGuard` decide whether it counts (the weight must be a
    finite positive number; the update's L2 norm must not exceed a bound relative to the round's
    median norm, or an absolute one).
 3. :meth:`Accumulator.add_update` adds ``weight * update`` to the sum: scatter-add at the kept
-   positions for sparse updates, a chunked in-place add otherwise. Float tensors sum in float64,
+   positions for sparse updates, chunk by chunk otherwise. Float tensors sum in float64,
    where ``weight x value`` is exact for fp32/fp16/bf16 values and integer weights below 2**29,
    so the sum does not depend on the order replies arrive in and float64 models are not
    truncated; integer tensors also sum in float64 (exact below 2**53).
 4. :meth:`Accumulator.apply_mean` returns ``reference + sum / total weight`` in the reference's
    dtypes through :func:`apply_step`, the one "apply a step to a reference" function of fedcomp
-   (broadcasts use it too), and frees the sum.
+   (broadcasts use it too), and frees the sum tensor by tensor.
 
-Working memory: the float64 sum (two fp32 model copies, one float64 tensor each) plus one decoded reply (one copy, none
-for sparse codecs), whatever the number of replies; temporaries are bounded by ``CHUNK``.
+Working memory: the float64 sum (two fp32 model copies, one float64 tensor each) plus
+chunk-sized temporaries, whatever the number of replies. One dense reply more where a codec has
+no chunked reader: quantizers without ``read_values`` (twobit, terngrad: their codes are checked
+whole) and codecs other than :class:`fedcomp.Codec` (policy codecs). Chunked or whole, the sums
+have the same bits (elementwise arithmetic in the same order).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
 import statistics
@@ -38,6 +44,7 @@ from fedcomp.codec import Codec
 from fedcomp.errors import DecodeError, FedcompError
 
 CHUNK = 1 << 20  # elements per step of chunked loops: temporaries of 8 MB at most
+APPLY_CHUNK = 1 << 18  # elements per step of apply_step (three wide temporaries each: 5 MB)
 MAX_WEIGHT = float(2**53)  # largest weight accepted at all: beyond it counts are not exact in float64
 
 
@@ -65,12 +72,13 @@ def _apply_one(r: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         return r + s.to(r.device, r.dtype)
     wide = torch.promote_types(torch.promote_types(r.dtype, s.dtype if s.is_floating_point() else r.dtype),
                                torch.float32)
-    if r.numel() <= CHUNK:
+    if r.numel() <= APPLY_CHUNK:
         return (r.to(wide) + s.to(r.device, wide)).to(r.dtype)
     out = torch.empty_like(r, memory_format=torch.contiguous_format)
     rf, sf, of = r.reshape(-1), s.reshape(-1), out.view(-1)
-    for i in range(0, rf.numel(), CHUNK):
-        of[i:i + CHUNK] = (rf[i:i + CHUNK].to(wide) + sf[i:i + CHUNK].to(r.device, wide)).to(r.dtype)
+    for i in range(0, rf.numel(), APPLY_CHUNK):  # elementwise: the same bits in any chunks
+        j = i + APPLY_CHUNK
+        of[i:j] = (rf[i:j].to(wide) + sf[i:j].to(r.device, wide)).to(r.dtype)
     return out
 
 
@@ -187,39 +195,85 @@ class NormGuard:
 
 
 # -- the streaming sum ---------------------------------------------------------------------------
+class _Expanded:
+    """A reducer's dense segment (PowerSGD's P_hat Q^T...), built range by range where the reducer
+    can (its ``expand_range``), else expanded whole once per pass over the update."""
+
+    def __init__(self, reducer, values: torch.Tensor, aux, seg) -> None:
+        self.reducer, self.values, self.aux, self.seg = reducer, values, aux, seg
+        self._range = getattr(reducer, "expand_range", None)
+        self._y: torch.Tensor | None = None
+
+    def chunk(self, lo: int, hi: int) -> torch.Tensor:
+        if self._range is not None:
+            return self._range(self.values, self.aux, self.seg, lo, hi)
+        if self._y is None:
+            self._y = self.reducer.expand(self.values, self.aux, self.seg)
+        return self._y[lo:hi]
+
+    def release(self) -> None:
+        self._y = None
+
+
+def _tensor_chunks(source, start: int, offset: int, numel: int, dtype: torch.dtype):
+    """(flat position, values in the tensor's dtype) of one tensor of a lazy segment, CHUNK by
+    CHUNK from the tensor's start (the chunks :func:`_sq_norm` and the dense path use)."""
+    for i in range(0, numel, CHUNK):
+        yield start + offset + i, source.chunk(offset + i, offset + min(numel, i + CHUNK)).to(dtype)
+
+
 @dataclass
 class Update:
     """One decoded, checked reply, in its compact form.
 
     ``parts``: (offset in the flat float buffer, positions or None for dense, values) per piece;
     ``ints``: integer tensors by name (raw). :meth:`norm` is the L2 norm of the float values.
+    ``lazy``: segments whose dense values are built on demand, chunk by chunk (a dense codec's
+    values still coded, PowerSGD's factors): (offset, source, [(name, numel, dtype)]) with
+    ``source.chunk(lo, hi)`` the fp32 values of the segment's elements [lo, hi). They are built
+    once to check and measure (:meth:`norm`) and once more to add, never whole.
     """
 
     parts: list[tuple[int, torch.Tensor | None, torch.Tensor]]
     ints: dict[str, torch.Tensor]
     _norm: float | None = None
-    # reducers whose values are small but expand to dense segments (PowerSGD): (offset, expand,
-    # [(name, numel, dtype)]); expanded once to check and measure, once more to add
     lazy: list[tuple[int, object, list]] = field(default_factory=list)
 
-    def pieces(self):
-        """(offset, positions or None, values) of every part, lazy segments expanded one at a time."""
-        yield from self.parts
-        for start, expand, tensors in self.lazy:
-            y = expand()
+    def _lazy_tensors(self):
+        """(name, chunks) per tensor of the lazy segments; chunks as :func:`_tensor_chunks`."""
+        for start, source, tensors in self.lazy:
             offset = 0
-            for _, numel, dtype in tensors:  # each tensor in its dtype, as Codec.decode returns it
-                yield start + offset, None, y[offset:offset + numel].to(dtype)
+            for name, numel, dtype in tensors:  # each tensor in its dtype, as Codec.decode returns it
+                yield name, _tensor_chunks(source, start, offset, numel, dtype)
                 offset += numel
-            del y
+            release = getattr(source, "release", None)
+            if release is not None:
+                release()
+
+    def pieces(self):
+        """(offset, positions or None, values) of every part; lazy segments in chunks of at most
+        ``CHUNK`` elements, built one at a time (a piece never spans two tensors)."""
+        yield from self.parts
+        for _, chunks in self._lazy_tensors():
+            for start, v in chunks:
+                yield start, None, v
 
     def norm(self) -> float:
+        """L2 norm of the float values; :class:`UpdateRejected` for a lazily built NaN or Inf."""
         if self._norm is None:
             total = 0.0
-            for _, _, v in self.pieces():
-                if self.lazy and not _finite(v):
-                    raise UpdateRejected("update has NaN or Inf values")
+            for _, _, v in self.parts:
                 total += _sq_norm(v)
+            for name, chunks in self._lazy_tensors():
+                sq = 0.0  # per tensor, chunk by chunk: the sum _sq_norm forms for a dense tensor
+                for _, v in chunks:
+                    # squares of decoded (fp32-range) values cannot overflow in float64: the
+                    # chunk's norm is finite exactly when all its values are
+                    part = float(torch.linalg.vector_norm(v, dtype=torch.float64) ** 2)
+                    if not math.isfinite(part):
+                        raise UpdateRejected(f"update of {name!r} has NaN or Inf values")
+                    sq += part
+                total += sq
             self._norm = math.sqrt(total)
         return self._norm
 
@@ -262,7 +316,8 @@ class Accumulator:
                 offset += t.numel
         self._numel = offset
         self._shapes = {t.name: t.shape for t in layout.tensors}
-        self._by_start = {start: name for name, (start, _) in self._offsets.items()}
+        self._start_list = [start for start, _ in self._offsets.values()]  # ascending: layout order
+        self._names = list(self._offsets)
         self._starts = torch.tensor([start for start, _ in self._offsets.values()] + [offset], dtype=torch.int64)
         # one float64 sum per tensor (freed tensor by tensor when the mean is applied)
         self._sums: dict[str, torch.Tensor] | None = None
@@ -292,17 +347,17 @@ class Accumulator:
                     raise DecodeError(f"{vals.numel()} values for {idx.numel()} positions")
                 parts.append((self._offsets[self.layout.tensors[group[0]].name][0], idx, vals))
             ints = {self.layout.tensors[i].name: t for i, t in raw.items()}
-        elif isinstance(codec, Codec) and codec.reducer is not None:
-            # values are small (factors, sketch cells); segments expand one at a time
-            read, raw = codec.decode_parts(payload, self.layout, self.device, round=round)
+        elif isinstance(codec, Codec):
+            # dense values stay coded (quantizers: Values) or factored (reducers), built chunk by chunk
+            read, raw = codec.decode_parts(payload, self.layout, self.device, round=round, lazy=codec.reducer is None)
             lazy = []
             for seg, group, aux, vals in read:
                 tensors = [(self.layout.tensors[i].name, self.layout.tensors[i].numel, self.layout.tensors[i].torch_dtype)
                            for i in group]
-                expand = (lambda v=vals, a=aux, g=seg: codec.reducer.expand(v, a, g))
-                lazy.append((self._offsets[tensors[0][0]][0], expand, tensors))
+                source = vals if codec.reducer is None else _Expanded(codec.reducer, vals, aux, seg)
+                lazy.append((self._offsets[tensors[0][0]][0], source, tensors))
             update = Update([], {self.layout.tensors[i].name: t for i, t in raw.items()}, lazy=lazy)
-            update.norm()  # expands each segment once: non-finite values raise here, before adding
+            update.norm()  # builds every chunk once: non-finite values raise here, before anything is added
             return update
         else:
             decoded = codec.decode(payload, self.layout, self.device, round=round)
@@ -356,11 +411,13 @@ class Accumulator:
             if idx is not None:
                 self._scatter(idx.to(self.device) + start if start else idx.to(self.device), vals, w)
                 continue
-            target = self._sums[self._by_start[start]]
+            j = bisect.bisect_right(self._start_list, start) - 1  # the tensor holding this piece
+            target = self._sums[self._names[j]]
+            local = start - self._start_list[j]
             flat = vals.reshape(-1)
             for i in range(0, flat.numel(), CHUNK):  # the float64 temporaries stay chunk-sized
                 piece = flat[i:i + CHUNK]
-                target[i:i + piece.numel()].add_(piece.to(self.device), alpha=w)
+                target[local + i:local + i + piece.numel()].add_(piece.to(self.device), alpha=w)
         for name, t in update.ints.items():
             self._ints[name].add_(t.to(self.device, torch.float64).view(self._ints[name].shape), alpha=w)
         self.total_weight += w
@@ -418,20 +475,22 @@ class Accumulator:
     def apply_mean(self, reference: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``reference + weighted mean`` in the reference's dtypes (:func:`apply_step`).
 
-        Tensor by tensor, the mean is formed in place in its float64 sum, applied, and the sum
-        freed: the peak is the sums plus one tensor. Call :meth:`reset` before the next round.
+        Tensor by tensor, smallest first, the mean is formed in place in its float64 sum, applied,
+        and the sum freed: each output tensor (4 bytes an element) replaces a larger sum (8), so
+        the peak is the sums plus the smallest tensors. Call :meth:`reset` before the next round.
         """
         self._need()
         sums, ints, total = self._sums, self._ints, self.total_weight
         self._sums, self._ints, self._spent = None, {}, True
         out = {}
-        for t in self.layout.tensors:
+        for t in sorted(self.layout.tensors, key=lambda t: t.numel):
             if t.is_float:
                 mean = sums.pop(t.name).div_(total).view(t.shape)
             else:
                 mean = ints.pop(t.name) / total
             out[t.name] = _apply_one(reference[t.name], mean)
             del mean
+        out = {name: out[name] for name in self.layout.names}
         self._check_finite(out)
         return out
 

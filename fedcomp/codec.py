@@ -23,7 +23,7 @@ from fedcomp.base import REGISTRY, Quantizer, Reducer, Segment, Selector, StageC
 from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.layout import MAX_NUMEL, Layout
 from fedcomp.pieces import Pieces
-from fedcomp.quantizers import write_values
+from fedcomp.quantizers import read_values, write_values
 from fedcomp.spec import parse_spec
 from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, open_payload
 
@@ -284,11 +284,16 @@ class Codec:
         """The reducer's values per segment, before expansion (for linear codecs: sum, then expand)."""
         return self._decode(payload, layout, torch.device(device), 0, expand=False)
 
-    def decode_parts(self, payload: bytes, layout: Layout, device: torch.device | str = "cpu", *, round: int = 0):
+    def decode_parts(self, payload: bytes, layout: Layout, device: torch.device | str = "cpu", *, round: int = 0,
+                     lazy: bool = False):
         """Read and check a whole payload without expanding it (what :meth:`decode` reads before it
         builds dense tensors): ``([(segment, layout positions, aux, values)], {position: raw tensor})``
-        where ``aux`` is the reducer's side information (a selector's kept positions)."""
-        return self._decode(payload, layout, torch.device(device), round, expand=None)
+        where ``aux`` is the reducer's side information (a selector's kept positions).
+
+        ``lazy=True``: ``values`` are :class:`fedcomp.quantizers.Values`, read and checked but not
+        dequantized (built range by range on demand: ``values.chunk(lo, hi)``, ``values.dense()``),
+        so a reply can be added to a sum without a dense copy of it."""
+        return self._decode(payload, layout, torch.device(device), round, expand=None, lazy=lazy)
 
     def expand(self, values: list[torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
         """Dense tensors from per-segment values (e.g. a sum of sketches)."""
@@ -299,27 +304,30 @@ class Codec:
             self._split(self.reducer.expand(vals, None, seg), group, layout, decoded)
         return {name: t for name, t in zip(layout.names, decoded) if t is not None}  # type: ignore[misc]
 
-    def _decode(self, payload, layout, device, round, expand):
+    def _decode(self, payload, layout, device, round, expand, lazy=False):
         check_decodable(layout)
         src, nonce = open_payload(payload, layout.fingerprint(), self.fingerprint)
         try:
-            return self._decode_body(src, StageContext(nonce, round), layout, device, expand)
+            return self._decode_body(src, StageContext(nonce, round), layout, device, expand, lazy)
         except FedcompError:
             raise
         except (RuntimeError, ValueError, IndexError, OverflowError) as exc:  # defence in depth: fuzzing finds none
             raise DecodeError(f"malformed payload: {exc}") from exc
 
-    def _decode_body(self, src: Reader, ctx: StageContext, layout: Layout, device: torch.device, expand: bool):
+    def _decode_body(self, src: Reader, ctx: StageContext, layout: Layout, device: torch.device, expand: bool,
+                     lazy: bool = False):
         # Two passes: read and check the whole body first (every length against the layout,
         # no trailing bytes), and only then build the dense tensors, so a malformed payload
         # never costs a model-sized allocation.
         read = []
+        values = (lambda n: read_values(self.quantizer, src, n, device)) if lazy else (
+            lambda n: self.quantizer.decode(src, n, device))
         for seg, group in self.segments(layout):
             if self.reducer is None:
-                read.append((seg, group, None, self.quantizer.decode(src, seg.numel, device)))
+                read.append((seg, group, None, values(seg.numel)))
             else:
                 aux = self.reducer.read(src, seg, ctx, device)
-                read.append((seg, group, aux, self.quantizer.decode(src, self.reducer.value_count(aux, seg), device)))
+                read.append((seg, group, aux, values(self.reducer.value_count(aux, seg))))
         raw = {i: src.tensor(spec.numel, spec.torch_dtype) for i, spec in enumerate(layout.tensors) if not spec.is_float}
         src.finish()
         if expand is None:

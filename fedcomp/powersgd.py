@@ -214,6 +214,17 @@ class PowerSGD(Reducer):
         n, m, r = f
         return reconstruct(values[: n * r].view(n, r), values[n * r:].view(m, r)).reshape(-1)
 
+    def expand_range(self, values: torch.Tensor, aux: Any, seg: Segment, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of :meth:`expand`'s result (the same bits), from the rows of P_hat Q^T
+        that hold them: a server adds a reply to its sum without the dense matrix."""
+        f = self.factors(seg)
+        if f is None:
+            return values[lo:hi]
+        n, m, r = f
+        a, b = lo // m, -(-hi // m)
+        y = reconstruct(values[: n * r].view(n, r)[a:b], values[n * r:].view(m, r)).reshape(-1)
+        return y[lo - a * m:hi - a * m]
+
     # -- byte budgets: the rank's range, and the values the quantizer sees at the largest rank --
     def knob_limit(self, knob, floats):
         mc, top = self.config.min_compression, 1

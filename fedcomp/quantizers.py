@@ -50,13 +50,16 @@ class _EntropyCoded:
         ans_write(unpack_codes(codes, x.numel(), self._code_bits()), self._code_bits(), out)
         return y
 
-    def _read_codes(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+    def _read_codes(self, src: Reader, count: int, device: torch.device):
+        """(lo, hi) -> uint8 codes of elements [lo, hi) (lo: a multiple of 8 elements). Packed
+        codes stay packed until asked for; entropy-coded ones are decoded here, once."""
         bits = self._code_bits()
         if self.config.coding == "ans":  # type: ignore[attr-defined]
             from fedcomp.entropy import ans_read
 
-            return ans_read(src, count, bits).to(device)
-        return unpack_codes(src.take(packed_bytes(count, bits)).to(device), count, bits)
+            codes = ans_read(src, count, bits).to(device)
+            return lambda lo, hi: codes[lo:hi]
+        return _packed_reader(src, count, bits, device)
 
 
 def _blocked(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -195,19 +198,76 @@ def _padded_rows(x: torch.Tensor, size: int, fill_first: bool) -> torch.Tensor:
     return rows
 
 
-def _chunked_values(values_one, codes: torch.Tensor, params: torch.Tensor, block: int) -> torch.Tensor:
-    """Decoded values of ``codes`` (uint8, one per element) in block-aligned chunks:
-    ``values_one(codes chunk, params rows of its blocks) -> fp32 chunk``, written into one output
-    tensor, so the temporaries of the arithmetic are chunk-sized (see :func:`_chunked_encode`)."""
-    m = codes.numel()
-    if block == 0 or m <= _ENCODE_CHUNK:
-        return values_one(codes, params)
-    size = block_size(m, block)
-    step = max(1, _ENCODE_CHUNK // size) * size
-    y = torch.empty(m, dtype=torch.float32, device=codes.device)
-    for start in range(0, m, step):
-        y[start:start + step] = values_one(codes[start:start + step], params[start // size:(start + step) // size + 1])
-    return y
+class Values:
+    """A segment's decoded values, read and checked but not yet dequantized (what
+    :func:`read_values` returns): :meth:`chunk` builds any range on demand, so a server can add a
+    reply to its sum chunk by chunk without a dense copy of it (:mod:`fedcomp.aggregate`).
+
+    ``build(lo, hi)`` returns the fp32 values of elements [lo, hi) for ``lo`` a multiple of
+    ``unit`` and ``hi`` a multiple of ``unit`` or the count; every value has the bits it has in
+    :meth:`dense`, which is what the quantizer's ``decode`` returns (elementwise arithmetic only).
+    """
+
+    def __init__(self, count: int, unit: int, build, device: torch.device) -> None:
+        self.numel = count
+        self.unit = max(1, unit)
+        self._build = build
+        self.device = torch.device(device)
+
+    @classmethod
+    def of(cls, values: torch.Tensor) -> "Values":
+        """Values already dequantized (quantizers without a chunked reader)."""
+        flat = values.reshape(-1)
+        return cls(flat.numel(), 1, lambda lo, hi: flat[lo:hi], flat.device)
+
+    def chunk(self, lo: int, hi: int) -> torch.Tensor:
+        """fp32 values of elements [lo, hi) (read-only: it may be a view)."""
+        a = lo - lo % self.unit
+        b = min(self.numel, -(-hi // self.unit) * self.unit)
+        y = self._build(a, b)
+        return y if (a, b) == (lo, hi) else y[lo - a:hi - a]
+
+    def step(self) -> int:
+        """A whole number of units of about _ENCODE_CHUNK elements."""
+        return max(1, _ENCODE_CHUNK // self.unit) * self.unit
+
+    def dense(self) -> torch.Tensor:
+        """Every value, one fp32 tensor (built chunk by chunk: temporaries stay chunk-sized)."""
+        m = self.numel
+        if m <= self.step():
+            return self._build(0, m) if m else torch.empty(0, device=self.device)
+        y = torch.empty(m, dtype=torch.float32, device=self.device)
+        for lo in range(0, m, self.step()):
+            hi = min(m, lo + self.step())
+            y[lo:hi] = self._build(lo, hi)
+        return y
+
+
+def read_values(quantizer: Quantizer, src: Reader, count: int, device: torch.device) -> Values:
+    """Read and check ``count`` coded values from ``src`` without dequantizing them, where the
+    quantizer can (its ``read_values`` method: the codes stay packed, as views of the payload);
+    otherwise through ``decode``. ``read_values(...).dense()`` equals ``quantizer.decode(...)``."""
+    read = getattr(quantizer, "read_values", None)
+    if read is not None:
+        return read(src, count, device)
+    return Values.of(quantizer.decode(src, count, device))
+
+
+def _packed_reader(src: Reader, count: int, bits: int, device: torch.device):
+    """(lo, hi) -> uint8 codes of elements [lo, hi) of a packed stream, for lo * bits a multiple
+    of 8; reads (and length-checks) the stream now, unpacks on demand."""
+    data = src.take(packed_bytes(count, bits))
+
+    def codes(lo: int, hi: int) -> torch.Tensor:
+        a = lo * bits // 8
+        return unpack_codes(data[a:a + packed_bytes(hi - lo, bits)].to(device), hi - lo, bits)
+    return codes
+
+
+def _block_unit(count: int, block: int) -> int:
+    """Elements of 8 whole blocks: ranges starting at a multiple of it start a block, and their
+    packed codes of any width start on a byte."""
+    return 8 * block_size(count, block) if block else 8
 
 
 def write_values(quantizer: Quantizer, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
@@ -245,6 +305,10 @@ class Identity(Quantizer):
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         return src.tensor(count, torch.float32).to(device)
 
+    def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
+        data = src.take(4 * count)  # a view of the payload: copied chunk by chunk
+        return Values(count, 1, lambda lo, hi: data[4 * lo:4 * hi].clone().view(torch.float32).to(device), device)
+
 
 class _HalfFloat(Quantizer):
     dtype: torch.dtype
@@ -276,6 +340,10 @@ class _HalfFloat(Quantizer):
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         return src.tensor(count, self.dtype).to(device).float()
+
+    def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
+        data = src.take(2 * count)
+        return Values(count, 1, lambda lo, hi: data[2 * lo:2 * hi].clone().view(self.dtype).to(device).float(), device)
 
 
 @register
@@ -347,13 +415,22 @@ class Sign(Quantizer):
         return torch.where(negative, -per, per)
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+        return self.read_values(src, count, device).dense()
+
+    def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
+        block = self.config.block
         if count == 0:
-            return torch.empty(0, device=device)
-        scale = src.tensor(blocks(count, self.config.block), torch.float32).to(device)
-        negative = unpack_flags(src.take(packed_bytes(count, 1)).to(device), count)
-        # +-scale per block: (1 - 2 negative) * scale is exactly _expand's where(negative, -s, s)
-        y = negative.to(torch.float32).mul_(-2).add_(1)
-        return _per_block_(y, self.config.block, scale)
+            return Values.of(torch.empty(0, device=device))
+        scale = src.tensor(blocks(count, block), torch.float32).to(device)
+        data = src.take(packed_bytes(count, 1))
+        size = block_size(count, block)
+
+        def build(lo: int, hi: int) -> torch.Tensor:
+            negative = unpack_flags(data[lo // 8:lo // 8 + packed_bytes(hi - lo, 1)].to(device), hi - lo)
+            # +-scale per block: (1 - 2 negative) * scale is exactly _expand's where(negative, -s, s)
+            y = negative.to(torch.float32).mul_(-2).add_(1)
+            return _per_block_(y, block, scale[lo // size:])
+        return Values(count, _block_unit(count, block), build, device)
 
 
 class FixedSign(Quantizer):
@@ -525,12 +602,21 @@ class KBit(_EntropyCoded, Quantizer):
         return _per_block_(q.to(torch.float32, copy=True), self.config.block, scale, lo)
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+        return self.read_values(src, count, device).dense()
+
+    def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
+        block = self.config.block
         if count == 0:
-            return torch.empty(0, device=device)
-        params = src.tensor(2 * blocks(count, self.config.block), torch.float32).to(device).view(-1, 2)
-        q = self._read_codes(src, count, device)
-        return _chunked_values(lambda c, p: self._values(c, p[:, 0].contiguous(), p[:, 1].contiguous(), c.numel()),
-                               q, params, self.config.block)
+            return Values.of(torch.empty(0, device=device))
+        params = src.tensor(2 * blocks(count, block), torch.float32).to(device).view(-1, 2)
+        lo_, scale = params[:, 0].contiguous(), params[:, 1].contiguous()
+        codes = self._read_codes(src, count, device)
+        size = block_size(count, block)
+
+        def build(lo: int, hi: int) -> torch.Tensor:
+            b = lo // size
+            return self._values(codes(lo, hi), lo_[b:], scale[b:], hi - lo)
+        return Values(count, _block_unit(count, block), build, device)
 
 
 @register
@@ -629,13 +715,21 @@ class QSGD(_EntropyCoded, Quantizer):
         return _per_block_(signed.to(torch.float32), self.config.bucket, norm / self.levels)
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+        return self.read_values(src, count, device).dense()
+
+    def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
+        bucket = self.config.bucket
         if count == 0:
-            return torch.empty(0, device=device)
-        norm = src.tensor(blocks(count, self.config.bucket), torch.float32).to(device)
+            return Values.of(torch.empty(0, device=device))
+        norm = src.tensor(blocks(count, bucket), torch.float32).to(device)
         codes = self._read_codes(src, count, device)
         top = self.config.bits - 1
-        return _chunked_values(lambda c, nrm: self._values(nrm, c & ((1 << top) - 1), c >> top, c.numel()),
-                               codes, norm, self.config.bucket)
+        size = block_size(count, bucket)
+
+        def build(lo: int, hi: int) -> torch.Tensor:
+            c = codes(lo, hi)
+            return self._values(norm[lo // size:], c & ((1 << top) - 1), c >> top, hi - lo)
+        return Values(count, _block_unit(count, bucket), build, device)
 
 
 @register

@@ -7,6 +7,12 @@ so a server can sum clients' tables without decoding them. Decoding ("unsketchin
 x_j = median_r s_r(j) S[r, h_r(j)] and keeps the k = ceil(ratio * n) largest estimates (the
 heavy hitters); with cols >= 8k and a few rows, every estimate is within O(||tail_k(x)|| / sqrt(k)).
 Upload compression is n / (rows * cols).
+
+Memory: no n-sized table is kept for a large segment (rows x n > ``HASH_CACHE``): hashes and signs
+are regenerated chunk by chunk from saved generator states (the same values), and unsketching
+estimates and ranks ``SELECT_CHUNK`` elements at a time, so sketching, estimating and taking the
+heavy hitters cost chunk-sized temporaries plus 2k candidates (and the dense result where one is
+asked for).
 """
 
 from __future__ import annotations
@@ -18,6 +24,12 @@ import torch
 
 from fedcomp.base import Knob, Reducer, Segment, StageContext, register
 from fedcomp.wire import Reader, Writer
+
+HASH_CACHE = 1 << 21  # hash entries (rows x elements) kept as tables; larger segments regenerate them
+HASH_CHUNK = 1 << 18  # hash entries per regenerated chunk (temporaries of about 4 MB)
+# estimates ranked per torch.topk call when unsketching (its scratch: 16 bytes an estimate); every
+# model of the project's tasks (up to 1.2M floats) is one chunk, as before chunking
+SELECT_CHUNK = 1 << 21
 
 
 @register
@@ -44,40 +56,118 @@ class CountSketch(Reducer):
             self.fail("ratio", "a fraction in (0, 1]")
         if not 0 <= self.config.seed < 2**32:  # seeds torch.Generator via seed * 1_000_003 + n (< 2**63)
             self.fail("seed", "an integer in [0, 2**32)")
-        self._hashes: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # per (segment size, device): the hash tables themselves (small segments), or the
+        # generator's state at every HASH_BLOCK-aligned position (large ones: regenerated per chunk)
+        self._hashes: dict[tuple[int, str], tuple] = {}
 
     # -- hashing ----------------------------------------------------------------------------
-    def _hash(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(flat cell index rows x n, sign rows x n) for a segment of n elements, cached."""
+    # Hashes and signs are torch.randint draws from one CPU generator seeded by (seed, n): all
+    # buckets row by row, then all signs row by row (one 32-bit draw per value, in order). Small
+    # segments keep the tables; large ones keep the generator's state every `block` elements of
+    # each row and regenerate the tables chunk by chunk (the same values, no n-sized table).
+    def _block(self) -> int:
+        """Elements per regenerated chunk: a power of two, rows x block <= HASH_CHUNK."""
+        return 1 << max(0, (HASH_CHUNK // self.config.rows).bit_length() - 1)
+
+    def _plan(self, n: int, device: torch.device) -> tuple:
         key = (n, str(device))
         if key not in self._hashes:
-            gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + n)
             rows, cols = self.config.rows, self.config.cols
-            buckets = torch.randint(0, cols, (rows, n), generator=gen)
-            cells = buckets + (torch.arange(rows) * cols)[:, None]
-            signs = torch.randint(0, 2, (rows, n), generator=gen, dtype=torch.int8) * 2 - 1
+            gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + n)
             self._hashes.clear()  # one layout at a time: bounded memory
-            self._hashes[key] = (cells.to(device), signs.to(device=device, dtype=torch.float32))
+            if rows * n <= HASH_CACHE:
+                buckets = torch.randint(0, cols, (rows, n), generator=gen)
+                cells = buckets + (torch.arange(rows) * cols)[:, None]
+                signs = torch.randint(0, 2, (rows, n), generator=gen, dtype=torch.int8) * 2 - 1
+                self._hashes[key] = ("tables", cells.to(device), signs.to(device=device, dtype=torch.float32))
+            else:
+                block, states = self._block(), []
+                for high, dtype in ((cols, torch.int64), (2, torch.int8)):  # buckets, then signs
+                    for _ in range(rows):
+                        row = []
+                        for a in range(0, n, block):
+                            row.append(gen.get_state())
+                            torch.randint(0, high, (min(block, n - a),), generator=gen, dtype=dtype)
+                        states.append(row)
+                self._hashes[key] = ("states", states[:rows], states[rows:])
         return self._hashes[key]
+
+    def _hash_chunks(self, n: int, device: torch.device, lo: int = 0, hi: int | None = None):
+        """(a, b, flat cell indices rows x (b - a), signs rows x (b - a)) over [lo, hi) in chunks
+        (lo: a multiple of the chunk size); the values of the tables of all n elements."""
+        hi = n if hi is None else hi
+        plan = self._plan(n, device)
+        rows, cols = self.config.rows, self.config.cols
+        if plan[0] == "tables":
+            _, cells, signs = plan
+            step = max(1, HASH_CHUNK // rows)
+            for a in range(lo, hi, step):
+                b = min(hi, a + step)
+                yield a, b, cells[:, a:b], signs[:, a:b]
+            return
+        _, bucket_states, sign_states = plan
+        block = self._block()
+        offsets = (torch.arange(rows) * cols)[:, None]
+        gen = torch.Generator()
+        for a in range(lo, hi, block):
+            b = min(hi, a + block)
+            buckets = torch.empty(rows, b - a, dtype=torch.int64)
+            signs = torch.empty(rows, b - a, dtype=torch.int8)
+            for r in range(rows):
+                gen.set_state(bucket_states[r][a // block])
+                torch.randint(0, cols, (b - a,), generator=gen, out=buckets[r])
+                gen.set_state(sign_states[r][a // block])
+                torch.randint(0, 2, (b - a,), generator=gen, dtype=torch.int8, out=signs[r])
+            yield a, b, (buckets + offsets).to(device), (signs * 2 - 1).to(device=device, dtype=torch.float32)
 
     def sketch(self, x: torch.Tensor) -> torch.Tensor:
         """The table (rows * cols, flattened) of a 1-D vector."""
-        cells, signs = self._hash(x.numel(), x.device)
         table = torch.zeros(self.config.rows * self.config.cols, device=x.device)
-        return table.index_add_(0, cells.reshape(-1), (signs * x).reshape(-1))
+        for a, b, cells, signs in self._hash_chunks(x.numel(), x.device):
+            # each cell gets its elements in index order, as one index_add_ over all would add them
+            table.index_add_(0, cells.reshape(-1), (signs * x[a:b]).reshape(-1))
+        return table
+
+    def _estimates(self, table: torch.Tensor, n: int, lo: int, hi: int) -> torch.Tensor:
+        """Median-of-rows estimates of elements [lo, hi)."""
+        out = torch.empty(hi - lo, device=table.device)
+        for a, b, cells, signs in self._hash_chunks(n, table.device, lo, hi):
+            out[a - lo:b - lo] = (signs * table[cells]).median(dim=0).values
+        return out
 
     def estimate(self, table: torch.Tensor, n: int) -> torch.Tensor:
         """Median-of-rows estimate of every element."""
-        cells, signs = self._hash(n, table.device)
-        return (signs * table[cells]).median(dim=0).values
+        return self._estimates(table, n, 0, n)
+
+    def top_entries(self, table: torch.Tensor, n: int, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, estimates) of the k largest estimates in magnitude, unsorted.
+
+        Estimates are formed and ranked SELECT_CHUNK elements at a time (torch.topk per chunk,
+        then of the chunk's and the running candidates), so the memory is a chunk plus 2k
+        candidates. A segment of one chunk is one torch.topk over all estimates; where several
+        estimates tie at the k-th magnitude, which of them are kept is torch.topk's choice
+        (per chunk, then among the candidates).
+        """
+        k = self.kept(n) if k is None else k
+        best_idx = torch.empty(0, dtype=torch.int64, device=table.device)
+        best_val = torch.empty(0, device=table.device)
+        for lo in range(0, n, SELECT_CHUNK):
+            hi = min(n, lo + SELECT_CHUNK)
+            est = self._estimates(table, n, lo, hi)
+            top = torch.topk(est.abs(), min(k, hi - lo), sorted=False).indices
+            idx, val = torch.cat([best_idx, top + lo]), torch.cat([best_val, est[top]])
+            del est, top
+            if idx.numel() > k:
+                keep = torch.topk(val.abs(), k, sorted=False).indices
+                idx, val = idx[keep], val[keep]
+            best_idx, best_val = idx, val
+        return best_idx, best_val
 
     def heavy_hitters(self, table: torch.Tensor, n: int, k: int | None = None) -> torch.Tensor:
         """Dense vector holding the k largest estimates (others zero)."""
-        k = self.kept(n) if k is None else k
-        est = self.estimate(table, n)
-        idx = torch.topk(est.abs(), k, sorted=False).indices
+        idx, val = self.top_entries(table, n, k)
         y = torch.zeros(n, device=table.device)
-        y[idx] = est[idx]
+        y[idx] = val
         return y
 
     def kept(self, n: int) -> int:

@@ -22,6 +22,8 @@ for the smallest N, for contrast.
     python -m fedcomp.simulations.bench_server                       # 50/100/200 clients, 10M parameters
     python -m fedcomp.simulations.bench_server --params 200000 --clients 4 8 --json out.json   # tiny
     python -m fedcomp.simulations.bench_server --quick                  # seconds: what tests/test_bench.py runs
+    python -m fedcomp.simulations.bench_server --codecs 'kbit(bits=4)' --clients 50 200 --threads 1 --json kbit.json
+    python -m fedcomp.simulations.bench_server --table topk.json kbit.json ...   # the README table from saved rows
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def _strategy(spec: str, n: int):
     return CompressedStrategy(inner, upload=spec, download="none()", streaming=True)
 
 
-def child(path: str, spec: str, params: int, naive: bool) -> dict:
+def child(path: str, spec: str, params: int, naive: bool, threads: int = 2) -> dict:
     """Runs in a fresh process: a round of ``CompressedStrategy`` with N replies read from ``path``.
 
     The strategy broadcasts round 1 (configure_train), the N replies are built as the client mod
@@ -120,7 +122,7 @@ def child(path: str, spec: str, params: int, naive: bool) -> dict:
     import fedcomp
     from fedcomp import protocol as P
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(max(1, min(threads, os.cpu_count() or 1)))
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1  # what a Flower process sets
     shapes = model_shapes(params)
     model = _make_update(shapes, 0)
@@ -178,7 +180,7 @@ def child(path: str, spec: str, params: int, naive: bool) -> dict:
     }
 
 
-def run(codecs, clients, params, distinct, naive) -> list[dict]:
+def run(codecs, clients, params, distinct, naive, threads: int = 2) -> list[dict]:
     import torch
 
     import fedcomp
@@ -204,7 +206,7 @@ def run(codecs, clients, params, distinct, naive) -> list[dict]:
                 env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
                 out = subprocess.run(
                     [sys.executable, "-m", "fedcomp.simulations.bench_server", "--child", path, "--spec", spec,
-                     "--params", str(params)] + (["--naive"] if is_naive else []),
+                     "--params", str(params), "--threads", str(threads)] + (["--naive"] if is_naive else []),
                     capture_output=True, text=True, check=False, env=env,
                 )
                 if out.returncode != 0:
@@ -219,6 +221,24 @@ def run(codecs, clients, params, distinct, naive) -> list[dict]:
     return rows
 
 
+def markdown(rows: list[dict]) -> str:
+    """The README's server-scale table: working memory (dense copies) and ms per client per N."""
+    counts = sorted({r["clients"] for r in rows if not r["naive"]})
+    head = " | ".join(f"N = {n}" for n in counts)
+    lines = [f"| upload | {head} | ms per client (N = {counts[0]} / {counts[-1]}) | target <= 3 copies, flat |",
+             "|---" * (len(counts) + 3) + "|"]
+    for spec in dict.fromkeys(r["codec"] for r in rows):
+        by_n = {r["clients"]: r for r in rows if r["codec"] == spec and not r["naive"]}
+        copies = [by_n[n]["working_dense_copies"] if n in by_n else None for n in counts]
+        cells = " | ".join("not run" if c is None else f"{c:.2f}" for c in copies)
+        ms = " / ".join(f"{by_n[n]['seconds_per_client'] * 1e3:.0f}" if n in by_n else "-" for n in (counts[0], counts[-1]))
+        done = [c for c in copies if c is not None]
+        flat = len(done) > 1 and max(done) - min(done) <= 0.1
+        verdict = ("met" if done and max(done) <= 3 else "**missed**") + (", flat" if flat else "")
+        lines.append(f"| `{spec}` | {cells} | {ms} | {verdict} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--codecs", nargs="+", default=list(DEFAULT_CODECS))
@@ -227,12 +247,18 @@ def main(argv=None) -> None:
     ap.add_argument("--distinct", type=int, default=4, help="distinct client updates encoded (replies cycle over them)")
     ap.add_argument("--naive", action="store_true", help="also run decode-all-then-average at the smallest N")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of each child (1 on a shared machine: "
+                    "waiting threads of a busy machine inflate times)")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the README table of rows saved with --json, and stop")
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 and 4 clients, top-k only (smoke test)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.spec, args.params, args.naive)))
+        print(json.dumps(child(args.child, args.spec, args.params, args.naive, args.threads)))
+        return
+    if args.table:
+        print(markdown([r for path in args.table for r in json.load(open(path))]))
         return
     if args.quick:
         args.params, args.clients, args.codecs, args.distinct = 50_000, [2, 4], ["topk(ratio=0.01)+qsgd(bits=4)"], 2
@@ -240,9 +266,10 @@ def main(argv=None) -> None:
     total = sum(math.prod(s) for s in shapes.values()) + 1
     print(f"model: {total:,} parameters ({total * 4 / 1e6:.1f} MB dense fp32); target: working memory <= 3 dense "
           f"copies besides the payloads, flat in the number of clients", flush=True)
-    rows = run(args.codecs, args.clients, args.params, args.distinct, args.naive)
+    rows = run(args.codecs, args.clients, args.params, args.distinct, args.naive, args.threads)
     worst = max(r["working_dense_copies"] for r in rows if not r["naive"])
     print(f"worst streaming working memory: {worst:.2f} dense copies (target <= 3): {'met' if worst <= 3 else 'NOT met'}")
+    print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,0 +1,137 @@
+"""Replies added chunk by chunk (no dense copy of a reply, no n-sized sketch tables): the same bits
+as the dense path, and a bad reply still leaves the sum untouched.
+
+Chunk sizes are patched small so that every multi-chunk path runs on small tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fedcomp
+from fedcomp import aggregate, quantizers, sketch
+from fedcomp.aggregate import Accumulator, UpdateRejected
+from fedcomp.base import REGISTRY, example_specs
+from fedcomp.sketch import CountSketch
+
+# every registered quantizer alone (dense replies), a few non-default blocks, and PowerSGD
+DENSE = sorted(s for s in example_specs() if "+" not in s and REGISTRY[s.split("(")[0]].kind == "quantizer") + [
+    "kbit(bits=3,block=100)", "kbit(bits=5,block=0,stochastic=true)", "kbit(bits=4,coding='ans')",
+    "qsgd(bits=3,bucket=77)", "qsgd(bits=6,bucket=0,norm='l2')", "sign(block=100)",
+    "powersgd(rank=2)", "powersgd(rank=3,min_compression=0)+qsgd(bits=8)",
+]
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(61, 47, generator=g), "b": torch.randn(5, generator=g),
+            "h": torch.randn(33, 9, generator=g).half(), "d": torch.randn(4, 3, 7, generator=g).double(),
+            "n": torch.tensor([seed], dtype=torch.int64)}
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(aggregate, "CHUNK", 256)  # pieces start inside tensors, ragged last ones
+    monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 100)
+
+
+@pytest.mark.parametrize("spec", DENSE)
+def test_fused_sum_equals_dense_decode(spec, small_chunks):
+    codec = fedcomp.build_codec(spec)
+    layout = fedcomp.Layout.of(_model(0))
+    fused, dense = Accumulator(codec, layout), Accumulator(codec, layout)
+    for i, weight in [(1, 1), (2, 3), (3, 2)]:
+        payload = codec.encode(_model(i), nonce=i, round=1, state={}).payload
+        update = fused.decode(payload, round=1)
+        assert update.lazy and not update.parts  # nothing dense held between check and add
+        reference = dense.dense_update(codec.decode(payload, layout, round=1))  # the dense path
+        assert update.norm() == reference.norm()
+        fused.add_update(update, weight)
+        dense.add_update(reference, weight)
+    got, want = fused.sum(), dense.sum()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    ref = _model(0)
+    got, want = fused.apply_mean(ref), dense.apply_mean(ref)
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == ref[k].dtype for k in ref)
+
+
+@pytest.mark.parametrize("spec", ["kbit(bits=3,block=100)", "qsgd(bits=4,bucket=77)", "sign(block=9)", "fp16()", "none()"])
+def test_values_ranges_equal_decode(spec, small_chunks):
+    codec = fedcomp.build_codec(spec)
+    x = {"w": torch.randn(3001, generator=torch.Generator().manual_seed(5))}
+    layout = fedcomp.Layout.of(x)
+    payload = codec.encode(x, nonce=1).payload
+    want = codec.decode(payload, layout)["w"]
+    (_, _, _, values), = codec.decode_parts(payload, layout, lazy=True)[0]
+    assert torch.equal(values.dense(), want)
+    for lo, hi in [(0, 3001), (0, 1), (7, 800), (800, 2999), (2048, 3001), (3000, 3001)]:
+        assert torch.equal(values.chunk(lo, hi), want[lo:hi]), (lo, hi)
+
+
+def test_powersgd_rows_equal_expand():
+    codec = fedcomp.build_codec("powersgd(rank=3)")
+    x = {"w": torch.randn(57, 41, generator=torch.Generator().manual_seed(2))}
+    layout = fedcomp.Layout.of(x)
+    (seg, _, aux, vals), = codec.decode_parts(codec.encode(x, state={}).payload, layout)[0]
+    full = codec.reducer.expand(vals, aux, seg)
+    for lo, hi in [(0, 2337), (0, 40), (40, 83), (100, 2337), (2336, 2337)]:
+        assert torch.equal(codec.reducer.expand_range(vals, aux, seg, lo, hi), full[lo:hi])
+
+
+@pytest.mark.parametrize("spec", ["kbit(bits=4)", "none()", "powersgd(rank=2)"])
+def test_bad_reply_adds_nothing(spec, small_chunks):
+    """All or nothing: a corrupted, truncated or non-finite reply raises before the first chunk is added."""
+    codec = fedcomp.build_codec(spec)
+    layout = fedcomp.Layout.of(_model(0))
+    acc = Accumulator(codec, layout)
+    acc.add(codec.encode(_model(1), nonce=1, state={}).payload, 2)
+    before = acc.sum()
+    good = codec.encode(_model(2), nonce=2, state={}).payload
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x40
+    for bad in (bytes(flipped), good[:-7], good[: len(good) // 2]):
+        with pytest.raises(fedcomp.DecodeError):
+            acc.add(bad, 1)
+    poisoned = _model(3)
+    poisoned["d"][-1, -1, -1] = float("inf")  # the last float tensor: earlier ones would already be added
+    with pytest.raises(UpdateRejected):
+        acc.add(codec.encode(poisoned, nonce=3, state={}).payload, 1)
+    after = acc.sum()
+    assert acc.count == 1 and acc.total_weight == 2
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+# -- count sketch: hashes regenerated chunk by chunk, estimates ranked chunk by chunk -----------
+def _regenerating(rows, cols, monkeypatch):
+    monkeypatch.setattr(sketch, "HASH_CACHE", 0)  # no tables: generator states every block
+    monkeypatch.setattr(sketch, "HASH_CHUNK", 64)
+    return CountSketch(CountSketch.Config(rows=rows, cols=cols, seed=4))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_regenerated_hashes_equal_tables(rows, monkeypatch):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(rows))
+    cached_table = CountSketch(CountSketch.Config(rows=rows, cols=50, seed=4)).sketch(x)
+    cached_est = CountSketch(CountSketch.Config(rows=rows, cols=50, seed=4)).estimate(cached_table, 1000)
+    regen = _regenerating(rows, 50, monkeypatch)
+    assert regen._plan(1000, torch.device("cpu"))[0] == "states"
+    assert torch.equal(regen.sketch(x), cached_table)  # the same bits: each cell adds in index order
+    assert torch.equal(regen.estimate(cached_table, 1000), cached_est)
+
+
+def test_chunked_top_k_keeps_the_largest(monkeypatch):
+    cs = CountSketch(CountSketch.Config(rows=3, cols=400, ratio=0.02, seed=4))
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+    table = cs.sketch(x)
+    one = cs.heavy_hitters(table, 5000)  # one chunk: torch.topk over all estimates
+    monkeypatch.setattr(sketch, "SELECT_CHUNK", 512)
+    idx, val = cs.top_entries(table, 5000)
+    est = cs.estimate(table, 5000)
+    k = cs.kept(5000)
+    assert idx.numel() == k == len(set(idx.tolist())) and torch.equal(val, est[idx])
+    rest = torch.ones(5000, dtype=torch.bool)
+    rest[idx] = False
+    assert float(val.abs().min()) >= float(est[rest].abs().max())  # ties at the k-th magnitude aside, the same set
+    if float(val.abs().min()) > float(est[rest].abs().max()):
+        assert torch.equal(cs.heavy_hitters(table, 5000), one)
