@@ -491,7 +491,7 @@ class TwoBit(Quantizer):
         if m == 0:
             return
         packed = torch.empty(packed_bytes(m, 2), dtype=torch.uint8, device=x.device)
-        step = _ENCODE_CHUNK // 4  # a multiple of 4 codes: every chunk but the last ends on a byte
+        step = max(4, _ENCODE_CHUNK // 16 * 4)  # a multiple of 4 codes: every chunk but the last ends on a byte
         code = torch.empty(min(m, step), dtype=torch.uint8, device=x.device)
         pos = torch.empty(min(m, step), dtype=torch.bool, device=x.device)
         for lo in range(0, m, step):
