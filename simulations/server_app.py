@@ -113,7 +113,8 @@ def _aggregation(cfg: dict) -> str:
     """'auto' aggregates linear codecs (sketches) in compressed space (FetchSGD), others decoded."""
     if cfg["aggregation"] != "auto":
         return str(cfg["aggregation"])
-    return "sketch" if fedcomp.build_codec(str(cfg["upload"])).linear else "decode"
+    codec = fedcomp.build_codec(str(cfg["upload"]))
+    return "sketch" if codec.reducer is not None and codec.reducer.linear else "decode"
 
 
 @app.main()

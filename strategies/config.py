@@ -26,6 +26,12 @@ def _number(name: str, value, lo: float, hi: float = math.inf, *, lo_open: bool 
     return float(value)
 
 
+def _linear_reducer(codec) -> bool:
+    """Uploads the server can sum while compressed: a linear reducer (``sketch``), any quantizer
+    after it (the server dequantizes each table before summing)."""
+    return codec.reducer is not None and bool(codec.reducer.linear)
+
+
 @dataclasses.dataclass(frozen=True)
 class CompressionConfig:
     """Transport settings of a compressed run (see :class:`CompressedStrategy` for the long form)."""
@@ -58,9 +64,10 @@ class CompressionConfig:
                 f"aggregation={self.aggregation!r} is invalid: one of {AGGREGATIONS} ('auto': sketch space for "
                 f"linear codecs such as sketch(...), decoded otherwise)")
         agg = self.resolved_aggregation
-        if agg == "sketch" and not codec.linear:
+        if agg == "sketch" and not _linear_reducer(codec):
             raise fedcomp.SpecError(
-                f"aggregation='sketch' needs a linear upload codec such as 'sketch(rows=1, cols=4000)', got {self.upload!r}")
+                f"aggregation='sketch' needs an upload codec whose reducer is linear, such as "
+                f"'sketch(rows=1, cols=16000, ratio=0.01)+qsgd(bits=4)', got {self.upload!r}")
         for name in ("error_feedback", "streaming", "compress_evaluate", "exact_statistics"):
             if not isinstance(getattr(self, name), bool):
                 raise fedcomp.SpecError(f"{name}={getattr(self, name)!r} is invalid: True or False")
@@ -102,7 +109,7 @@ class CompressionConfig:
         """'sketch' or 'decode' ('auto' resolved by the upload codec's linearity)."""
         if self.aggregation != "auto":
             return self.aggregation
-        return "sketch" if fedcomp.build_codec(self.upload).linear else "decode"
+        return "sketch" if _linear_reducer(fedcomp.build_codec(self.upload)) else "decode"
 
     @property
     def client_error_feedback(self) -> bool:

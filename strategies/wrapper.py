@@ -12,7 +12,8 @@ Per training round:
    checked, decoded and added as it arrives (:mod:`fedcomp.strategies.replies`, on the core's
    :mod:`fedcomp.aggregate`; a reply that fails is dropped with its reason, the round goes on).
    Weighted-mean strategies (FedAvg, FedProx, FedAvgM, the FedOpt family) get one reply holding
-   the weighted mean; FetchSGD (``aggregation="sketch"``) sums sketches (:mod:`fedcomp.fetchsgd`);
+   the weighted mean; FetchSGD (``aggregation="sketch"``) sums sketches with server-side error
+   feedback (:mod:`fedcomp.server_feedback`);
    other strategies get ``model_i = global model + update_i`` per reply (FedMedian, Krum...).
 4. The next broadcast acknowledges each node's last aggregated round, so a client puts an
    update that never reached the aggregate back into its residual.
@@ -24,7 +25,8 @@ in :class:`RoundStats`.
 
 Failures are loud: a round whose replies carry no fedcomp payload raises
 :class:`MissingCompressionMod`; ``max_failed_rounds`` consecutive rounds without a usable reply
-raise :class:`NoUsableReplies` with the clients' errors summarised.
+raise :class:`NoUsableReplies` with the clients' errors summarised; a global model with NaN or
+Inf values raises :class:`NonFiniteModel` (the run stops instead of finishing at chance).
 
 Bandwidth budgets (``link_profile``, ``round_deadline_s``; :mod:`fedcomp.links`): clients
 with a link fit their reply to its byte budget and report the concrete codec spec they used;
@@ -48,17 +50,18 @@ from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 import fedcomp
 from fedcomp import links
 from fedcomp import protocol as P
-from fedcomp.aggregate import Accumulator, NormGuard
+from fedcomp.aggregate import Accumulator, NormGuard, apply_step
 from fedcomp.broadcast import Tier, parse_thresholds, parse_tiers
-from fedcomp.fetchsgd import FetchSGD
+from fedcomp.server_feedback import ServerFeedback
 from fedcomp.msgsize import message_bytes
 from fedcomp.strategies.config import CompressionConfig
-from fedcomp.strategies.replies import MissingCompressionMod, NoUsableReplies, ReplyHistory, RoundReplies, summarize
+from fedcomp.strategies.replies import (MissingCompressionMod, NonFiniteModel, NoUsableReplies, ReplyHistory,
+                                        RoundReplies, summarize)
 from fedcomp.strategies.streaming import StreamingGrid, can_stream
 from fedcomp.tensor_kinds import STATISTIC, exact_state_policy, split_kinds
 
 __all__ = ["CompressedStrategy", "CompressionConfig", "RoundStats", "message_bytes", "MissingCompressionMod",
-           "NoUsableReplies", "canonical_order"]
+           "NoUsableReplies", "NonFiniteModel", "canonical_order"]
 
 _MEAN_IS_THE_MODEL = (FedAvg, FedProx)  # aggregate_train of one reply of the total weight returns its model
 
@@ -152,11 +155,14 @@ class CompressedStrategy(Strategy):
     aggregation : str (default: ``"auto"``)
         ``"auto"``: ``"sketch"`` for linear upload codecs (``sketch(...)``), ``"decode"`` otherwise.
         ``"decode"``: decode every reply and let the inner strategy aggregate the models.
-        ``"sketch"``: FetchSGD (Rothchild et al. 2020), for linear upload codecs such as
-        ``sketch(...)``: the server sums the clients' sketches without decoding them (weighted
-        by ``num-examples``), keeps momentum and error accumulation in sketch space, applies the
-        top-k heavy hitters of the accumulated error, and zeroes momentum and error at the cells
-        those coordinates hash to. Clients keep no residual (error feedback is server side); the
+        ``"sketch"``: FetchSGD (Rothchild et al. 2020) with server-side error feedback
+        (:class:`fedcomp.server_feedback.ServerFeedback`), for upload codecs whose reducer is
+        linear, quantizer allowed, e.g. ``sketch(rows=1, cols=16000, ratio=0.01)+qsgd(bits=4)``:
+        each reply's tables are dequantized and added to a float64 running sum as it arrives
+        (weighted by ``num-examples``), the server keeps momentum and error accumulation in
+        sketch space, applies the top-k heavy hitters of the accumulated error, and zeroes
+        momentum and error at the cells those coordinates hash to. Clients keep no residual
+        (error feedback is server side, so it holds when each client takes part rarely); the
         inner strategy still samples clients, but its aggregation is not used; integer buffers
         keep their broadcast values. Does not combine with budgets (clients' sketches would
         differ in ``cols``).
@@ -230,7 +236,7 @@ class CompressedStrategy(Strategy):
             log(WARNING, "fedcomp: upload codec %s is biased; without error feedback it may not converge", config.upload)
         self.tiers = [Tier(i, spec, config.download_max_stale) for i, spec in enumerate(parse_tiers(config.download))]
         self.tier_kbps = ",".join(str(v) for v in parse_thresholds(config.download_tier_kbps, len(self.tiers)))
-        self.fetch = FetchSGD(self.upload, config.server_momentum) if self.aggregation == "sketch" else None
+        self.feedback: ServerFeedback | None = None  # aggregation 'sketch': built with the model's layout
         self.rounds: dict[int, RoundStats] = {}
         # per node, across rounds
         self._held: dict[int, tuple[int, int, int]] = {}  # node -> (tier, version, crc) it reported
@@ -320,6 +326,8 @@ class CompressedStrategy(Strategy):
         if layout != self._layout:
             self._accumulator = None
             self._exact_statistics(layout)
+            if self.aggregation == "sketch":  # server-side error feedback: tables per segment of this layout
+                self.feedback = ServerFeedback(self.upload, layout, self.config.server_momentum)
         self._layout = layout
         self._base = {k: v.detach().cpu() for k, v in model.items()}
         self._dense_model_bytes = message_bytes(ArrayRecord(self._base))
@@ -409,12 +417,30 @@ class CompressedStrategy(Strategy):
         self._failed_rounds.clear()
         self._aggregated_rounds += 1
         if handler.mode == "sketch":
-            model = self.fetch.step(self._base, self._layout)
-            return ArrayRecord(model), self._aggregate_metrics(handler.metrics)
-        if handler.mode == "collect":
+            arrays, metrics = ArrayRecord(apply_step(self._base, self.feedback.step())), \
+                self._aggregate_metrics(handler.metrics)
+        elif handler.mode == "collect":
             arrays, metrics = self.inner.aggregate_train(server_round, handler.collected + state.errors)
-            return self._as_layout(arrays), metrics
-        return self._finish_mean(server_round, state)
+            arrays = self._as_layout(arrays)
+        else:
+            arrays, metrics = self._finish_mean(server_round, state)
+        self._check_finite(server_round, arrays, stats)
+        return arrays, metrics
+
+    def _check_finite(self, server_round: int, arrays: ArrayRecord | None, stats: RoundStats) -> None:
+        """Stop the run when the new global model has NaN or Inf values (every reply is checked,
+        but a finite sum can still overflow or a server step diverge): training on from it would
+        finish at chance with nothing said."""
+        if arrays is None:
+            return
+        bad = [name for name, t in arrays.to_torch_state_dict().items()
+               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise NonFiniteModel(
+                f"fedcomp: the global model of round {server_round} has NaN or Inf values in {bad[:5]}"
+                f"{' and more' if len(bad) > 5 else ''} (aggregation {self.aggregation!r}, upload "
+                f"{self.upload.spec!r}, {stats.aggregated} replies aggregated); the run stops. Lower the "
+                f"learning rate, set max_update_norm, or use a larger sketch (cols) / more bits")
 
     def _check_wrapped(self, server_round: int, state: _RoundState, stats: RoundStats) -> None:
         """A round with replies but not one fedcomp payload record: the clients lack compression_mod."""
@@ -434,8 +460,8 @@ class CompressedStrategy(Strategy):
             f"`app = ClientApp(mods=[compression_mod])`. Replies: {summarize([c['status'] for c in stats.clients])}")
 
     def _failed_round(self, server_round: int, stats: RoundStats, handler) -> tuple[None, None]:
-        if self.fetch is not None:
-            self.fetch.discard_round()
+        if self.feedback is not None:
+            self.feedback.discard_round()
         self._failed_rounds.append(server_round)
         statuses = [c["status"] for c in stats.clients]
         log(WARNING, "fedcomp: no usable replies in round %s (%d of %d consecutive rounds allowed): %s", server_round,
@@ -467,7 +493,7 @@ class CompressedStrategy(Strategy):
             self._accumulator.reset()
         return RoundReplies(
             round=server_round, mode=mode, layout=self._layout, base=self._base, accumulator=self._accumulator,
-            fetch=self.fetch, guard=NormGuard(self.config.norm_factor, self.config.norm_warmup,
+            feedback=self.feedback, guard=NormGuard(self.config.norm_factor, self.config.norm_warmup,
                                               self.config.max_update_norm),
             config=self.config, upload=self.upload, weight_key=self._weight_key(), history=self._history,
             on_accept=self._accepted(server_round), dense_model_bytes=self._dense_model_bytes)
