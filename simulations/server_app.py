@@ -67,14 +67,18 @@ def validate_run_config(run_config) -> dict:
     _check(cfg, "download", str, "a codec spec such as 'none()', or tiers such as 'topk(ratio=0.01)+qsgd(bits=4) | kbit(bits=8)'",
            lambda v: True)
     _check(cfg, "download-tier-kbps", str, "'' or ascending kbps thresholds between tiers such as '1000,8000'", lambda v: True)
-    _check(cfg, "download-max-stale", int, "a positive integer (steps a client may miss before a full model)", lambda v: v >= 1)
+    _check(cfg, "download-max-stale", int, "an integer >= 0 (steps a client may miss before a full model; 0: no cap, "
+           "chains are kept while cheaper than the full model)", lambda v: v >= 0)
     for key, parse in (("upload", fedcomp.build_codec), ("download", parse_tiers)):  # bad specs fail here, before any round
+        if cfg[key] == "auto":  # picked from the regime at the first round (CompressionConfig.resolve)
+            continue
         try:
             parse(cfg[key])
         except fedcomp.SpecError as exc:
             raise ValueError(f"run config {key}={cfg[key]!r} is invalid: {exc}") from None
     try:
-        parse_thresholds(cfg["download-tier-kbps"], len(parse_tiers(cfg["download"])))
+        tiers = 1 if cfg["download"] == "auto" else len(parse_tiers(cfg["download"]))  # 'auto' is one tier
+        parse_thresholds(cfg["download-tier-kbps"], tiers)
     except fedcomp.SpecError as exc:
         raise ValueError(f"run config download-tier-kbps={cfg['download-tier-kbps']!r} is invalid: {exc}") from None
     _check(cfg, "out-dir", str, "a directory path", lambda v: bool(v.strip()))
@@ -110,9 +114,12 @@ def _ratio(value: float | None) -> str:
 
 
 def _aggregation(cfg: dict) -> str:
-    """'auto' aggregates linear codecs (sketches) in compressed space (FetchSGD), others decoded."""
+    """'auto' aggregates linear codecs (sketches) in compressed space (FetchSGD), others decoded
+    (upload 'auto' with link budgets is decoded: CompressionConfig.resolve)."""
     if cfg["aggregation"] != "auto":
         return str(cfg["aggregation"])
+    if cfg["upload"] == "auto":
+        return "decode"
     codec = fedcomp.build_codec(str(cfg["upload"]))
     return "sketch" if codec.reducer is not None and codec.reducer.linear else "decode"
 
@@ -142,6 +149,7 @@ def main(grid: Grid, context: Context) -> None:
         budget_fallback=str(cfg["budget-fallback"]),
         streaming=bool(cfg["streaming"]),
         max_update_norm=float(cfg["max-update-norm"]),
+        seeded_init=True,  # the ClientApp builds the round-0 model from the seed (make_compression_mod)
     )
     rounds: list[dict] = []
     log(INFO, "fedcomp: results go to %s", out_dir / "results.json")
@@ -164,6 +172,9 @@ def main(grid: Grid, context: Context) -> None:
             "evaluate_reply_bytes": s.evaluate_reply_bytes, "evaluate_clients": s.evaluate_clients,
         }
         rounds.append(row)
+        cfg["resolved"] = {"upload": strategy.upload.spec, "download": " | ".join(t.codec.spec for t in strategy.tiers),
+                           "aggregation": strategy.aggregation, "error-feedback": strategy.error_feedback,
+                           "coupled-download": strategy.config.coupled_download}
         log(INFO, "fedcomp round %3d | acc %.4f | loss %.4f | up %9d B (%s less than dense) | down %9d B (%s)%s%s",
             server_round, accuracy, loss, s.upload_bytes, _ratio(s.upload_ratio), s.download_bytes,
             _ratio(s.download_ratio),
@@ -181,7 +192,7 @@ def main(grid: Grid, context: Context) -> None:
         evaluate_fn=evaluate,
     )
     if rounds:
-        results.plot_accuracy_vs_upload(rounds, out_dir / "accuracy_vs_upload.png", label=str(cfg["upload"]))
+        results.plot_accuracy_vs_upload(rounds, out_dir / "accuracy_vs_upload.png", label=strategy.upload.spec)
         total_up = sum(r["upload_bytes"] for r in rounds)
         total_dense = sum(r["upload_bytes_dense"] for r in rounds)
         log(INFO, "fedcomp: final accuracy %.4f, uploads %d B (%s less than dense); wrote %s",

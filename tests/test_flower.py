@@ -204,8 +204,8 @@ def test_app_config_defaults():
     from fedcomp.simulations.server_app import CONFIG_KEYS
 
     assert set(CONFIG_KEYS) == set(config)
-    fedcomp.build_codec(config["upload"])
-    fedcomp.build_codec(config["download"])
+    # picked from the regime at round 1 (fedcomp.strategies.config.CompressionConfig.resolve)
+    assert config["upload"] == config["download"] == config["aggregation"] == "auto"
     assert config["error-feedback"] is True
 
 
