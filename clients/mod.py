@@ -234,8 +234,11 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
     except (fedcomp.SpecError, TypeError, ValueError) as exc:  # ModError passes: it is not among them
         raise ModError(f"fedcomp could not place this node in a download tier: {exc}; check the node config's "
                        f"download-tier, downlink-kbps and partition-id") from exc
+    seeded = False
     try:
-        received, info = apply_plan(*_held_for(state, plan, cfg, context, initial_model), **plan)
+        base, base_info = _held_for(state, plan, cfg, context, initial_model)
+        seeded = base is not state.reference  # started from the seeded round-0 model
+        received, info = apply_plan(base, base_info, **plan)
     except fedcomp.FedcompError as exc:  # ResyncNeeded, or a step that does not decode
         state.reference, state.reference_info = None, None
         reason = str(exc) if isinstance(exc, ResyncNeeded) else f"broadcast did not decode: {exc}"
@@ -245,9 +248,9 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
                            P.COMPUTE_S: float(perf_counter() - start)})
         return Message(RecordDict({P.UPLOAD_RECORD: ConfigRecord(record)}), reply_to=msg)
     state.reference, state.reference_info = received, info
-    # the first reply after a full reference says what this mod can do (evaluate broadcasts);
-    # a server that restarted sends a full reference again and so learns it again
-    capabilities = {P.CAPABILITIES: [P.EVALUATE_CAPABILITY]} if plan["mode"] == "full" else {}
+    # the first reply after a full reference (or a chain from the seeded round-0 model) says what
+    # this mod can do (evaluate broadcasts); a server that restarted sends one again and so learns it again
+    capabilities = {P.CAPABILITIES: [P.EVALUATE_CAPABILITY]} if plan["mode"] == "full" or seeded else {}
 
     arrays_key = str(cfg[P.ARRAYS_KEY])
     inner = RecordDict({k: v for k, v in msg.content.items() if k != P.DOWNLOAD_RECORD})

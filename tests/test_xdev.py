@@ -95,10 +95,14 @@ def test_seeded_first_contact_is_a_chain_and_the_client_holds_the_servers_refere
     strategy = CompressedStrategy(FedAvg(fraction_train=0.5), upload="topk(ratio=0.1)+qsgd(bits=4)",
                                   download="topk(ratio=0.1)+kbit(bits=8)", seeded_init=True)
     contexts = _contexts(4)
+    announced = set()
     for r in (1, 2, 3):
-        model, _ = _drive(strategy, model, contexts, r, mod)
+        model, replies = _drive(strategy, model, contexts, r, mod)
         assert _modes(strategy, r) == ["chain", "chain"]  # never the full model, first contact included
         assert _status(strategy, r) == ["ok", "ok"]
+        announced |= {m.metadata.src_node_id for m in replies
+                      if "capabilities" in m.content.config_records["fedcomp.upload"]}
+    assert announced and announced <= strategy._capable  # seeded first contact says what the mod can do
     tier = strategy.tiers[0]
     for c in contexts.values():
         if "fedcomp.reference" in c.state.array_records:
