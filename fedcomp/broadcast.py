@@ -226,11 +226,12 @@ class Tier:
         return self._record(Step(server_round, payload, self.crc, base_crc))
 
     def _record(self, step: Step) -> Step:
-        """Append to history; drop the oldest steps that no chain cheaper than the full model can use."""
+        """Append to history; drop the oldest steps that no chain cheaper than the full model can use
+        (the latest stays: it marks the version reached, and an already current client gets it again)."""
         self.history.append(step)
         self._history_bytes += len(step.payload)
         full = self.full_nbytes()
-        while self.history and (self._history_bytes >= full
+        while len(self.history) > 1 and (self._history_bytes >= full
                                 or (self.max_stale is not None and len(self.history) > self.max_stale)):
             self._history_bytes -= len(self.history.popleft().payload)
         return step

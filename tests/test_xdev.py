@@ -150,6 +150,7 @@ def test_tier_history_is_bounded_by_the_full_models_bytes_not_by_rounds():
                  for k, v in model.items()}
         tier.step(model, r)
         assert tier.history_nbytes == sum(len(s.payload) for s in tier.history) < tier.full_nbytes()
+        assert tier.history[-1].round == r
     kept = len(tier.history)
     assert 10 < kept < 79  # more than the old 10-step cap, fewer than all
     # a client as stale as the oldest step kept still gets a chain (cheaper than the full model)
@@ -220,3 +221,19 @@ def test_auto_keeps_decoded_aggregation_with_link_budgets_or_delta():
     for settings in ({"link_profile": "4g"}, {"delta": 0.5}):
         cfg = CompressedStrategy(FedAvg(fraction_train=0.1), **settings).requested.resolve(partial=True, numel=10_000)
         assert cfg.upload.startswith("topk(") and cfg.download == "none()" and not cfg.coupled_download
+
+
+def test_a_dense_tier_keeps_its_latest_step_so_evaluate_and_train_encode_once():
+    from flwr.app import ConfigRecord
+
+    from conftest import FakeGrid
+
+    strategy = CompressedStrategy(FedAvg(fraction_evaluate=1.0), upload="topk(ratio=0.1)+qsgd(bits=4)",
+                                  download="none()")  # a none() step costs a full model: history keeps one
+    model, contexts = tiny_model(), _contexts(2)
+    model, _, _ = run_round(strategy, model, contexts, 1)
+    strategy.configure_evaluate(1, ArrayRecord(model), ConfigRecord({}), FakeGrid([1, 2]))
+    tier = strategy.tiers[0]
+    assert len(tier.history) == 1 and tier.version == 2
+    run_round(strategy, model, contexts, 2)  # trains from the version evaluate reached: no second step
+    assert strategy.rounds[2].encodes == 0 and tier.version == 2
