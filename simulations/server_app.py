@@ -1,12 +1,15 @@
 """The project's ServerApp: FedAvg wrapped in CompressedStrategy, central evaluation on digits.
 
 Prints one line per round and writes ``<out-dir>/results.json`` (after every round) and
-``<out-dir>/accuracy_vs_upload.png`` (at the end).
+``<out-dir>/accuracy_vs_upload.png`` (at the end). A run that fedcomp stops (a non-finite global
+model, rounds without usable replies, clients without the mod) writes ``<out-dir>/error.json``
+(the error's class and message) and re-raises, so Flower marks the run failed.
 """
 
 from __future__ import annotations
 
-from logging import INFO
+import json
+from logging import ERROR, INFO
 from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
@@ -183,14 +186,22 @@ def main(grid: Grid, context: Context) -> None:
         results.write_results(out_dir, cfg, rounds)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    strategy.start(
-        grid=grid,
-        initial_arrays=ArrayRecord(model.state_dict()),
-        num_rounds=int(cfg["num-server-rounds"]),
-        timeout=float(cfg["round-timeout"]),
-        train_config=ConfigRecord({}),
-        evaluate_fn=evaluate,
-    )
+    try:
+        strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(model.state_dict()),
+            num_rounds=int(cfg["num-server-rounds"]),
+            timeout=float(cfg["round-timeout"]),
+            train_config=ConfigRecord({}),
+            evaluate_fn=evaluate,
+        )
+    except fedcomp.FedcompError as exc:  # NonFiniteModel, NoUsableReplies, MissingCompressionMod: say so, stop
+        error = {"error": type(exc).__name__, "message": str(exc), "rounds_done": len(rounds)}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "error.json").write_text(json.dumps(error, indent=2))
+        log(ERROR, "fedcomp: the run stopped after %d rounds: %s: %s (written to %s)", len(rounds),
+            type(exc).__name__, exc, out_dir / "error.json")
+        raise
     if rounds:
         results.plot_accuracy_vs_upload(rounds, out_dir / "accuracy_vs_upload.png", label=strategy.upload.spec)
         total_up = sum(r["upload_bytes"] for r in rounds)
