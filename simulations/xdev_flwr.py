@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                                       env=env, capture_output=True, text=True, timeout=6 * 3600)
                 (args.out / f"{scheme}-s{seed}.log").write_text(done.stdout + done.stderr)
                 if (out / "error.json").exists():  # the ServerApp stopped the run (e.g. NonFiniteModel)
-                    print(f"{scheme} seed {seed}: stopped: {(out / 'error.json').read_text()}", flush=True)
+                    print(f"{scheme} seed {seed}: stopped (flwr run exit {done.returncode}): "
+                          f"{(out / 'error.json').read_text()}", flush=True)
                     continue
                 if done.returncode != 0 or not (out / "results.json").exists():
                     print(f"{scheme} seed {seed}: flwr run failed (exit {done.returncode}); log in {args.out}",
