@@ -7,7 +7,10 @@ Per training round:
    tier (server-side error feedback, :mod:`fedcomp.broadcast`) and replaces the model in
    every message by what that client needs: the chain of steps since the reference it holds,
    or the full reference on first contact and resyncs; plus the layout, codec specs, seed,
-   round (see :mod:`fedcomp.protocol`).
+   round (see :mod:`fedcomp.protocol`). With ``seeded_init`` a node never heard from holds the
+   round-0 model every node builds from the seed, so first contact is a chain too; with
+   ``coupled_download`` tier 0's step is the server's own step (encoded once in step 3's
+   aggregate, nothing encoded here).
 3. Replies carry the ``upload`` codec's payload of the client's update. Each one is counted,
    checked, decoded and added as it arrives (:mod:`fedcomp.strategies.replies`, on the core's
    :mod:`fedcomp.aggregate`; a reply that fails is dropped with its reason, the round goes on).
