@@ -35,6 +35,7 @@ strategy records it as that client's failure.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from logging import WARNING
 from time import perf_counter
 
@@ -48,7 +49,7 @@ import fedcomp
 from fedcomp import links
 from fedcomp import protocol as P
 from fedcomp.base import add_residual
-from fedcomp.broadcast import ResyncNeeded, apply_plan, parse_thresholds, tier_for_kbps
+from fedcomp.broadcast import ResyncNeeded, apply_plan, parse_thresholds, reference_crc, tier_for_kbps
 from fedcomp.clients.budgeting import budgeted_upload
 from fedcomp.msgsize import message_bytes
 from fedcomp.clients.state import ClientState
@@ -126,19 +127,59 @@ def node_link(context: Context, cfg) -> links.Link | None:
     return links.with_deadline(link, deadline if deadline > 0 else None)
 
 
+InitialModel = Callable[[Context], Mapping[str, torch.Tensor]]
+
+
+def make_compression_mod(initial_model: InitialModel | None = None):
+    """A :func:`compression_mod` that can start from the run's seeded round-0 model.
+
+    ``initial_model(context)`` returns the model every node builds from the run's seed, the one
+    the server starts from (the project's ClientApp: ``task.build_model(model, seed).state_dict()``).
+    When the server's broadcast says ``seeded-init`` and this node holds no reference (first
+    contact, or one the chain does not start from), the mod takes that model as the chain's base
+    instead of needing the dense model: first contact costs the chain of compressed steps since
+    round 0. Its CRC is checked against the chain's base; a mismatch (another torch version
+    initialises differently) is a resync request, and the server sends the full model next round.
+    Without ``initial_model`` it is :func:`compression_mod` (a seeded chain to a node without a
+    reference is a resync request; the server then sends the full model).
+    """
+    def mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        if not msg.has_content() or P.DOWNLOAD_RECORD not in msg.content.config_records:
+            if msg.metadata.message_type.split(".")[0] == MessageType.TRAIN:
+                _warn_unwrapped(context)
+            return call_next(msg, context)
+        state = ClientState.load(context)
+        try:
+            return _round(msg, context, call_next, state, initial_model)
+        except ModError as exc:
+            return Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, str(exc)), reply_to=msg)
+        finally:  # also when the ClientApp raised: the reference it was handed is this node's now
+            state.save(context)
+
+    mod.__name__ = mod.__qualname__ = "compression_mod" if initial_model is None else "seeded_compression_mod"
+    mod.__doc__ = compression_mod.__doc__
+    return mod
+
+
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Flower mod: decode the compressed broadcast, compress the reply (see module docstring)."""
-    if not msg.has_content() or P.DOWNLOAD_RECORD not in msg.content.config_records:
-        if msg.metadata.message_type.split(".")[0] == MessageType.TRAIN:
-            _warn_unwrapped(context)
-        return call_next(msg, context)
-    state = ClientState.load(context)
+    return _PLAIN(msg, context, call_next)
+
+
+def _held_for(state: ClientState, plan: dict, cfg, context: Context, initial_model: InitialModel | None):
+    """The reference and its (tier, version, CRC) the plan is applied to: the one held, or the
+    seeded round-0 model where the server's chain starts there and the held one does not fit."""
+    held, info = state.reference, state.reference_info
+    if (initial_model is None or not cfg.get(P.SEEDED_INIT, False) or plan["mode"] != "chain"
+            or (info is not None and info[2] == plan["base_crc"])):
+        return held, info
+    if info is not None and info[0] == plan["tier"] and info[1] in plan["rounds"]:
+        return held, info  # part of the chain applied already (apply_plan skips it)
     try:
-        return _round(msg, context, call_next, state)
-    except ModError as exc:
-        return Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, str(exc)), reply_to=msg)
-    finally:  # also when the ClientApp raised: the reference it was handed is this node's now
-        state.save(context)
+        initial = {k: v.detach().cpu() for k, v in initial_model(context).items()}
+    except Exception as exc:  # the user's builder: a resync (full model next round), not a crash
+        raise ResyncNeeded(f"initial_model failed ({type(exc).__name__}: {exc})") from exc
+    return initial, (plan["tier"], 0, reference_crc(initial))
 
 
 def _warn_unwrapped(context: Context) -> None:
@@ -179,7 +220,8 @@ def _broadcast(cfg, evaluate: bool = False) -> tuple[fedcomp.Layout, fedcomp.Cod
                        f"this client must run the same fedcomp version; reinstall it on both") from exc
 
 
-def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: ClientState) -> Message:
+def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: ClientState,
+           initial_model: InitialModel | None = None) -> Message:
     start = perf_counter()  # compute time: decode + training + encode (what the client does)
     cfg = msg.content.config_records[P.DOWNLOAD_RECORD]
     if cfg.get(P.KIND) == "evaluate":
@@ -192,8 +234,11 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
     except (fedcomp.SpecError, TypeError, ValueError) as exc:  # ModError passes: it is not among them
         raise ModError(f"fedcomp could not place this node in a download tier: {exc}; check the node config's "
                        f"download-tier, downlink-kbps and partition-id") from exc
+    seeded = False
     try:
-        received, info = apply_plan(state.reference, state.reference_info, **plan)
+        base, base_info = _held_for(state, plan, cfg, context, initial_model)
+        seeded = base is not state.reference  # started from the seeded round-0 model
+        received, info = apply_plan(base, base_info, **plan)
     except fedcomp.FedcompError as exc:  # ResyncNeeded, or a step that does not decode
         state.reference, state.reference_info = None, None
         reason = str(exc) if isinstance(exc, ResyncNeeded) else f"broadcast did not decode: {exc}"
@@ -203,9 +248,9 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
                            P.COMPUTE_S: float(perf_counter() - start)})
         return Message(RecordDict({P.UPLOAD_RECORD: ConfigRecord(record)}), reply_to=msg)
     state.reference, state.reference_info = received, info
-    # the first reply after a full reference says what this mod can do (evaluate broadcasts);
-    # a server that restarted sends a full reference again and so learns it again
-    capabilities = {P.CAPABILITIES: [P.EVALUATE_CAPABILITY]} if plan["mode"] == "full" else {}
+    # the first reply after a full reference (or a chain from the seeded round-0 model) says what
+    # this mod can do (evaluate broadcasts); a server that restarted sends one again and so learns it again
+    capabilities = {P.CAPABILITIES: [P.EVALUATE_CAPABILITY]} if plan["mode"] == "full" or seeded else {}
 
     arrays_key = str(cfg[P.ARRAYS_KEY])
     inner = RecordDict({k: v for k, v in msg.content.items() if k != P.DOWNLOAD_RECORD})
@@ -376,3 +421,6 @@ def _budgeted_reply(state, cfg, spec, link, delta, residual, codec_state, rest, 
             content[P.UPLOAD_RECORD][P.BUDGET_REASON] = str(result.info.get("reason", ""))
     content[P.UPLOAD_RECORD][P.COMPUTE_S] = float(compute_s + encode_s)
     return content
+
+
+_PLAIN = make_compression_mod()  # compression_mod itself: no seeded round-0 model

@@ -15,9 +15,23 @@ CRC of the reference it holds; the server sends it
 
 * ``chain``: the history entries after its version (one entry when it took part last round,
   several after missed rounds: catch-up by replaying exactly what the tier's clients applied), or
-* ``full``: ``R_t`` itself, exact, on first contact, after a tier change, when the client is
-  staler than ``max_stale`` rounds, when the chain would cost more than the full model, or when
-  the client asked for a resync.
+* ``full``: ``R_t`` itself, exact, on first contact (unless the run uses the seeded round-0
+  model, below), after a tier change, when the chain would cost more than the full model (or the
+  client is staler than an optional ``max_stale``), or when the client asked for a resync.
+
+History is bounded by bytes, not rounds: steps are kept while their total is below the full
+model's bytes (an older step could only be part of a chain that costs more than the full model,
+which is never sent), so a tier's memory is its reference plus at most one model's bytes.
+
+Seeded first contact: every node can build the round-0 model from the run's seed (the project's
+ClientApp does). A server that knows it (``seeded`` in :meth:`Tier.plan`) treats a node it has
+never heard from as holding version 0 with the initial model's CRC (:attr:`Tier.initial_crc`),
+so first contact is the chain since round 0 while it costs less than the full model.
+
+Coupled steps (:meth:`Tier.append`): with server-side error feedback
+(:meth:`fedcomp.server_feedback.ServerFeedback.step_broadcast`) the server moves the global model
+by exactly the decoded broadcast payload, which then is the tier's step as is: the reference is
+the global model itself and nothing is encoded twice.
 
 Both sides apply a step with the same CPU operations, so references stay equal bit for bit; the
 client checks the CRC before (``base_crc``) and after, and asks for a full resync on any
@@ -148,19 +162,25 @@ class Tier:
         The tier's number (part of its nonces).
     spec : str
         Codec spec of the tier's steps.
-    max_stale : int
-        Steps kept for catch-up; a client more steps of the tier behind gets the full reference.
+    max_stale : int or None (default: None)
+        Optional cap on the steps kept for catch-up (a client more steps of the tier behind gets
+        the full reference). None: history is bounded by bytes alone (see module docstring).
     """
 
-    def __init__(self, index: int, spec: str, max_stale: int = 10) -> None:
+    def __init__(self, index: int, spec: str, max_stale: int | None = None) -> None:
+        if max_stale is not None and (isinstance(max_stale, bool) or not isinstance(max_stale, int)
+                                      or max_stale < 1):
+            raise SpecError(f"max_stale={max_stale!r} is invalid: a positive integer, or None (bounded by bytes)")
         self.index = index
         self.codec: Codec = build_codec(spec)
         self.max_stale = max_stale
         self.reference: dict[str, torch.Tensor] | None = None
         self.version = 0
         self.crc = 0
+        self.initial_crc: int | None = None  # CRC of the round-0 model (seeded first contact)
         self.state: dict[str, torch.Tensor] = {}  # codec state (e.g. PowerSGD warm start)
-        self.history: deque[Step] = deque(maxlen=max(1, max_stale))
+        self.history: deque[Step] = deque()
+        self._history_bytes = 0
         self.encodes = 0  # steps encoded so far (encoding cost is per tier, not per client)
         self._full: tuple[int, bytes] | None = None  # (crc, payload) of the last full reference sent
 
@@ -169,7 +189,9 @@ class Tier:
         self.reference = {k: v.detach().cpu().clone() for k, v in model.items()}
         self.version = version
         self.crc = reference_crc(self.reference)
+        self.initial_crc = self.crc if version == 0 else None
         self.history.clear()
+        self._history_bytes = 0
 
     def step(self, model: Mapping[str, torch.Tensor], server_round: int, seed: int = 0) -> Step:
         """Encode ``model - reference`` once for the tier and move the reference by what was sent."""
@@ -189,9 +211,40 @@ class Tier:
         layout = Layout.of(diff)
         self.reference = apply_step(self.reference, self.codec.decode(encoded.payload, layout, round=server_round))
         base_crc, self.crc, self.version = self.crc, reference_crc(self.reference), server_round
-        step = Step(server_round, encoded.payload, self.crc, base_crc)
+        return self._record(Step(server_round, encoded.payload, self.crc, base_crc))
+
+    def append(self, model: Mapping[str, torch.Tensor], server_round: int, payload: bytes) -> Step:
+        """Record a step encoded elsewhere (coupled download): ``model`` is the reference after it,
+        which the caller computed as ``apply_step(reference, codec.decode(payload, round=server_round))``
+        exactly as a client does. Nothing is encoded here."""
+        if self.reference is None:
+            raise FedcompError(f"tier {self.index} has no reference yet: start() it with the initial model first")
+        if server_round <= self.version:
+            raise FedcompError(f"tier {self.index} is at round {self.version}; cannot step to round {server_round}")
+        self.reference = {k: v.detach().cpu().clone() for k, v in model.items()}
+        base_crc, self.crc, self.version = self.crc, reference_crc(self.reference), server_round
+        return self._record(Step(server_round, payload, self.crc, base_crc))
+
+    def _record(self, step: Step) -> Step:
+        """Append to history; drop the oldest steps that no chain cheaper than the full model can use
+        (the latest stays: it marks the version reached, and an already current client gets it again)."""
         self.history.append(step)
+        self._history_bytes += len(step.payload)
+        full = self.full_nbytes()
+        while len(self.history) > 1 and (self._history_bytes >= full
+                                or (self.max_stale is not None and len(self.history) > self.max_stale)):
+            self._history_bytes -= len(self.history.popleft().payload)
         return step
+
+    @property
+    def history_nbytes(self) -> int:
+        """Bytes of the step payloads kept (below one full model's)."""
+        return self._history_bytes
+
+    def seeded(self) -> tuple[int, int, int] | None:
+        """What a node that never reported holds when it builds the round-0 model from the seed:
+        ``(tier, 0, initial CRC)``; None when this tier did not start at round 0."""
+        return None if self.initial_crc is None else (self.index, 0, self.initial_crc)
 
     def full(self) -> Plan:
         """The exact reference, for first contact and resyncs."""

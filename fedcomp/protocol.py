@@ -47,6 +47,8 @@ REF_CRC = "ref-crc"  # int: CRC32 of the reference after applying (also reported
 TIER = "tier"  # int: the download tier of this broadcast (also reported back)
 TIERS = "tiers"  # int: number of download tiers
 TIER_KBPS = "tier-kbps"  # str: comma-separated downlink kbps thresholds between tiers ("" : none)
+SEEDED_INIT = "seeded-init"  # bool: a chain may start at the round-0 model every node builds from the run's
+#   seed (CRC-checked; a mod that cannot build it asks for a resync); absent or False: today's protocol
 
 # -- client -> server, in UPLOAD_RECORD --
 REF_VERSION = "ref-version"  # int: round of the reference the client holds after this broadcast

@@ -85,23 +85,52 @@ class ServerFeedback:
         """Server memory between rounds: momentum and error tables."""
         return sum(2 * 4 * self.codec.reducer.count(seg) for seg, _ in self._segments)
 
+    def decode(self, payload: bytes) -> list[torch.Tensor]:
+        """One upload's dequantized table values per segment, checked: DecodeError for a
+        malformed payload or NaN/Inf values (nothing is added)."""
+        values = self.codec.decode_values(payload, self.layout)
+        if not all(bool(torch.isfinite(v).all()) for v in values):
+            raise DecodeError("upload has NaN or Inf values")
+        return values
+
+    def norm(self, values: list[torch.Tensor]) -> float:
+        """Estimate of the update's L2 norm from its tables: each row of a count sketch
+        preserves the norm in expectation, so ``sqrt(sum of squares / rows)``."""
+        rows = getattr(self.codec.reducer.config, "rows", 1)
+        return math.sqrt(sum(float(torch.linalg.vector_norm(v, dtype=torch.float64) ** 2) for v in values) / rows)
+
     def add(self, payload: bytes, weight: float = 1.0) -> None:
         """Add one client's upload with its weight (e.g. its number of examples), as it arrives.
 
         Raises DecodeError for a malformed payload and FedcompError for non-finite values or a
         non-finite or negative weight; nothing is added then.
         """
-        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+        self._check_weight(weight)
+        self.add_values(self.decode(payload), weight)
+
+    @staticmethod
+    def _check_weight(weight) -> None:
+        if isinstance(weight, bool) or not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
             raise FedcompError(f"weight={weight!r} is invalid: it must be a finite number >= 0")
-        values = self.codec.decode_values(payload, self.layout)
-        if not all(bool(torch.isfinite(v).all()) for v in values):
-            raise DecodeError("upload has NaN or Inf values")
+
+    def add_values(self, values: list[torch.Tensor], weight: float = 1.0) -> None:
+        """Add one upload already decoded by :meth:`decode` (the wrapper decodes first to check
+        its norm). Sums are float64, so the order replies arrive in changes no bit that matters."""
+        self._check_weight(weight)
+        if self._sum is not None and (len(values) != len(self._sum)
+                                      or any(v.numel() != s.numel() for v, s in zip(values, self._sum))):
+            raise DecodeError("upload's table shapes differ from the round's other uploads")
         if self._sum is None:
-            self._sum = [torch.zeros_like(v) for v in values]
+            self._sum = [torch.zeros(v.numel(), dtype=torch.float64) for v in values]
         for acc, v in zip(self._sum, values):
-            acc.add_(v, alpha=float(weight))
+            acc.add_(v.reshape(-1).to(torch.float64), alpha=float(weight))
         self.count += 1
         self.weight += float(weight)
+
+    def discard_round(self) -> None:
+        """Forget the round's uploads (a round without usable replies); the tables stay."""
+        self._sum = None
+        self.count, self.weight = 0, 0.0
 
     def step(self) -> dict[str, torch.Tensor]:
         """The update to apply this round (dense tensors, zero where nothing is applied) from the
@@ -135,11 +164,11 @@ class ServerFeedback:
         if self._error is None:
             if self._sum is None:  # no upload ever: nothing to apply
                 return out, (broadcast.encode(out, nonce=nonce, round=round).payload if broadcast else None)
-            self._velocity = [torch.zeros_like(s) for s in self._sum]
-            self._error = [torch.zeros_like(s) for s in self._sum]
+            self._velocity = [torch.zeros(s.numel()) for s in self._sum]
+            self._error = [torch.zeros(s.numel()) for s in self._sum]
         # a round without uploads still applies what the error and momentum hold
         if self._sum is not None and self.weight > 0:
-            sums = [s / self.weight for s in self._sum]
+            sums = [(s / self.weight).float() for s in self._sum]
         else:
             sums = [torch.zeros_like(e) for e in self._error]
         for j, ((seg, group), s_j) in enumerate(zip(self._segments, sums)):

@@ -15,10 +15,19 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedcomp.simulations.faults import faults_mod
-from fedcomp.clients.mod import compression_mod, node_device
+from fedcomp.clients.mod import make_compression_mod, node_device
 from fedcomp.simulations import task
 
-app = ClientApp(mods=[faults_mod, compression_mod])  # faults_mod is a no-op unless run config `faults` is set
+
+def initial_model(context: Context) -> dict[str, torch.Tensor]:
+    """The round-0 model the ServerApp starts from, built from the run's seed: a node's first
+    broadcast is then the chain of compressed steps since round 0, not the full model."""
+    cfg = context.run_config
+    return task.build_model(str(cfg["model"]), seed=int(cfg["seed"]), task=str(cfg.get("task", "digits"))).state_dict()
+
+
+# faults_mod is a no-op unless run config `faults` is set
+app = ClientApp(mods=[faults_mod, make_compression_mod(initial_model=initial_model)])
 
 
 def validate_node_config(node_config) -> tuple[int, int]:

@@ -1,12 +1,15 @@
 """The project's ServerApp: FedAvg wrapped in CompressedStrategy, central evaluation on digits.
 
 Prints one line per round and writes ``<out-dir>/results.json`` (after every round) and
-``<out-dir>/accuracy_vs_upload.png`` (at the end).
+``<out-dir>/accuracy_vs_upload.png`` (at the end). A run that fedcomp stops (a non-finite global
+model, rounds without usable replies, clients without the mod) writes ``<out-dir>/error.json``
+(the error's class and message) and re-raises, so Flower marks the run failed.
 """
 
 from __future__ import annotations
 
-from logging import INFO
+import json
+from logging import ERROR, INFO
 from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
@@ -67,14 +70,18 @@ def validate_run_config(run_config) -> dict:
     _check(cfg, "download", str, "a codec spec such as 'none()', or tiers such as 'topk(ratio=0.01)+qsgd(bits=4) | kbit(bits=8)'",
            lambda v: True)
     _check(cfg, "download-tier-kbps", str, "'' or ascending kbps thresholds between tiers such as '1000,8000'", lambda v: True)
-    _check(cfg, "download-max-stale", int, "a positive integer (steps a client may miss before a full model)", lambda v: v >= 1)
+    _check(cfg, "download-max-stale", int, "an integer >= 0 (steps a client may miss before a full model; 0: no cap, "
+           "chains are kept while cheaper than the full model)", lambda v: v >= 0)
     for key, parse in (("upload", fedcomp.build_codec), ("download", parse_tiers)):  # bad specs fail here, before any round
+        if cfg[key] == "auto":  # picked from the regime at the first round (CompressionConfig.resolve)
+            continue
         try:
             parse(cfg[key])
         except fedcomp.SpecError as exc:
             raise ValueError(f"run config {key}={cfg[key]!r} is invalid: {exc}") from None
     try:
-        parse_thresholds(cfg["download-tier-kbps"], len(parse_tiers(cfg["download"])))
+        tiers = 1 if cfg["download"] == "auto" else len(parse_tiers(cfg["download"]))  # 'auto' is one tier
+        parse_thresholds(cfg["download-tier-kbps"], tiers)
     except fedcomp.SpecError as exc:
         raise ValueError(f"run config download-tier-kbps={cfg['download-tier-kbps']!r} is invalid: {exc}") from None
     _check(cfg, "out-dir", str, "a directory path", lambda v: bool(v.strip()))
@@ -110,10 +117,14 @@ def _ratio(value: float | None) -> str:
 
 
 def _aggregation(cfg: dict) -> str:
-    """'auto' aggregates linear codecs (sketches) in compressed space (FetchSGD), others decoded."""
+    """'auto' aggregates linear codecs (sketches) in compressed space (FetchSGD), others decoded
+    (upload 'auto' with link budgets is decoded: CompressionConfig.resolve)."""
     if cfg["aggregation"] != "auto":
         return str(cfg["aggregation"])
-    return "sketch" if fedcomp.build_codec(str(cfg["upload"])).linear else "decode"
+    if cfg["upload"] == "auto":
+        return "decode"
+    codec = fedcomp.build_codec(str(cfg["upload"]))
+    return "sketch" if codec.reducer is not None and codec.reducer.linear else "decode"
 
 
 @app.main()
@@ -141,6 +152,7 @@ def main(grid: Grid, context: Context) -> None:
         budget_fallback=str(cfg["budget-fallback"]),
         streaming=bool(cfg["streaming"]),
         max_update_norm=float(cfg["max-update-norm"]),
+        seeded_init=True,  # the ClientApp builds the round-0 model from the seed (make_compression_mod)
     )
     rounds: list[dict] = []
     log(INFO, "fedcomp: results go to %s", out_dir / "results.json")
@@ -163,6 +175,9 @@ def main(grid: Grid, context: Context) -> None:
             "evaluate_reply_bytes": s.evaluate_reply_bytes, "evaluate_clients": s.evaluate_clients,
         }
         rounds.append(row)
+        cfg["resolved"] = {"upload": strategy.upload.spec, "download": " | ".join(t.codec.spec for t in strategy.tiers),
+                           "aggregation": strategy.aggregation, "error-feedback": strategy.error_feedback,
+                           "coupled-download": strategy.config.coupled_download}
         log(INFO, "fedcomp round %3d | acc %.4f | loss %.4f | up %9d B (%s less than dense) | down %9d B (%s)%s%s",
             server_round, accuracy, loss, s.upload_bytes, _ratio(s.upload_ratio), s.download_bytes,
             _ratio(s.download_ratio),
@@ -171,16 +186,24 @@ def main(grid: Grid, context: Context) -> None:
         results.write_results(out_dir, cfg, rounds)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    strategy.start(
-        grid=grid,
-        initial_arrays=ArrayRecord(model.state_dict()),
-        num_rounds=int(cfg["num-server-rounds"]),
-        timeout=float(cfg["round-timeout"]),
-        train_config=ConfigRecord({}),
-        evaluate_fn=evaluate,
-    )
+    try:
+        strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(model.state_dict()),
+            num_rounds=int(cfg["num-server-rounds"]),
+            timeout=float(cfg["round-timeout"]),
+            train_config=ConfigRecord({}),
+            evaluate_fn=evaluate,
+        )
+    except fedcomp.FedcompError as exc:  # NonFiniteModel, NoUsableReplies, MissingCompressionMod: say so, stop
+        error = {"error": type(exc).__name__, "message": str(exc), "rounds_done": len(rounds)}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "error.json").write_text(json.dumps(error, indent=2))
+        log(ERROR, "fedcomp: the run stopped after %d rounds: %s: %s (written to %s)", len(rounds),
+            type(exc).__name__, exc, out_dir / "error.json")
+        raise
     if rounds:
-        results.plot_accuracy_vs_upload(rounds, out_dir / "accuracy_vs_upload.png", label=str(cfg["upload"]))
+        results.plot_accuracy_vs_upload(rounds, out_dir / "accuracy_vs_upload.png", label=strategy.upload.spec)
         total_up = sum(r["upload_bytes"] for r in rounds)
         total_dense = sum(r["upload_bytes_dense"] for r in rounds)
         log(INFO, "fedcomp: final accuracy %.4f, uploads %d B (%s less than dense); wrote %s",

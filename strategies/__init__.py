@@ -2,8 +2,8 @@
 
 from fedcomp.msgsize import message_bytes
 from fedcomp.strategies.config import CompressionConfig
-from fedcomp.strategies.replies import MissingCompressionMod, NoUsableReplies
+from fedcomp.strategies.replies import MissingCompressionMod, NoUsableReplies, NonFiniteModel
 from fedcomp.strategies.wrapper import CompressedStrategy, RoundStats
 
 __all__ = ["CompressedStrategy", "CompressionConfig", "RoundStats", "message_bytes", "MissingCompressionMod",
-           "NoUsableReplies"]
+           "NoUsableReplies", "NonFiniteModel"]

@@ -4,6 +4,23 @@
 ``CompressedStrategy(inner, config=CompressionConfig(...))`` takes one as is. Every field is
 validated in ``__post_init__`` (a :class:`fedcomp.SpecError` naming the value and what is allowed),
 so a bad configuration fails at construction, before any round.
+
+Defaults picked from the regime (issue 15; measured in ``simulations/figures/xdev/README.md``):
+``upload="auto"`` and ``download="auto"`` (the defaults) resolve at the first training round,
+when the number of connected nodes, the number sampled and the model's size are known
+(:meth:`CompressionConfig.resolve`):
+
+* every node in every round (cross-silo, e.g. ``fraction_train=1``): upload
+  ``topk(ratio=0.01)+qsgd(bits=4)`` with client error feedback, download ``none()``, as before;
+* a fraction of the nodes per round (cross-device, ``fraction_train < 1``): upload
+  ``sketch(rows=1, cols=ceil(0.068 n), ratio=0.01)+qsgd(bits=4)`` (n = float parameters) with
+  server-side error feedback (``aggregation="sketch"``, clients stateless), download coupled to
+  it (``coupled_download``): ``topk(ratio=0.01)+kbit(bits=4,stochastic=true)``, the server applies
+  exactly what it broadcasts. Client residuals go stale when a client is seen every tenth round
+  (-9.5 points with top-k in the study); the sketch scheme held in every regime measured.
+
+Link budgets (``link_profile``, ``round_deadline_s``) and ``delta`` need per-client decoding, so
+with them ``"auto"`` resolves to the cross-silo specs in every regime.
 """
 
 from __future__ import annotations
@@ -17,6 +34,24 @@ from fedcomp.broadcast import parse_thresholds, parse_tiers
 from fedcomp.budget import FALLBACKS, check_budgetable
 
 AGGREGATIONS = ("auto", "decode", "sketch")
+AUTO = "auto"
+SILO_UPLOAD = "topk(ratio=0.01)+qsgd(bits=4)"  # every node every round: client error feedback holds
+SILO_DOWNLOAD = "none()"
+SKETCH_COLS_PER_PARAM = 0.068  # cross-device sketch columns per float parameter (16000 for 234k)
+SKETCH_RATIO = 0.01  # heavy hitters applied per round; the coupled download sends the same share
+PLACEHOLDER_PARAMS = 234_122  # before the model is known (the digits MLP): only cols depend on it
+
+
+def cross_device_upload(numel: int) -> str:
+    """The cross-device upload for a model of ``numel`` float parameters."""
+    cols = max(16, math.ceil(SKETCH_COLS_PER_PARAM * numel))
+    return f"sketch(rows=1,cols={cols},ratio={SKETCH_RATIO})+qsgd(bits=4)"
+
+
+def coupled_download(ratio: float = SKETCH_RATIO) -> str:
+    """The coupled download for a sketch of heavy-hitter share ``ratio``: the same share, 4-bit
+    values with stochastic rounding (nearest rounding collapsed 2 of 5 coupled runs, finding 7)."""
+    return f"topk(ratio={ratio})+kbit(bits=4,stochastic=true)"
 
 
 def _number(name: str, value, lo: float, hi: float = math.inf, *, lo_open: bool = False, allowed: str) -> float:
@@ -26,12 +61,18 @@ def _number(name: str, value, lo: float, hi: float = math.inf, *, lo_open: bool 
     return float(value)
 
 
+def _linear_reducer(codec) -> bool:
+    """Uploads the server can sum while compressed: a linear reducer (``sketch``), any quantizer
+    after it (the server dequantizes each table before summing)."""
+    return codec.reducer is not None and bool(codec.reducer.linear)
+
+
 @dataclasses.dataclass(frozen=True)
 class CompressionConfig:
     """Transport settings of a compressed run (see :class:`CompressedStrategy` for the long form)."""
 
-    upload: str = "topk(ratio=0.01)+qsgd(bits=4)"  # codec spec of the clients' updates
-    download: str = "none()"  # codec spec of broadcasts, or tiers separated by '|' (tier 0 first)
+    upload: str = AUTO  # codec spec of the clients' updates; 'auto': from the regime (module docstring)
+    download: str = AUTO  # codec spec of broadcasts, tiers separated by '|' (tier 0 first); 'auto': from the regime
     error_feedback: bool = True  # clients keep what compression dropped and send it later
     seed: int = 0  # run seed: with round and node it seeds random-k and stochastic rounding
     aggregation: str = "auto"  # 'auto' (sketch for linear codecs, else decode), 'decode' or 'sketch' (FetchSGD)
@@ -43,7 +84,9 @@ class CompressionConfig:
     max_weight: float = 0.0  # cap on a reply's weight (its example count; 0: only the hard limit 2**53)
     max_failed_rounds: int = 3  # stop the run after this many consecutive rounds with no usable reply
     download_tier_kbps: str = ""  # downlink kbps thresholds between tiers, ascending
-    download_max_stale: int = 10  # steps a client may miss before it gets the full reference
+    download_max_stale: int = 0  # optional cap on catch-up chains in steps (0: none, bounded by bytes)
+    seeded_init: bool = False  # every node builds the round-0 model from the seed (make_compression_mod)
+    coupled_download: bool = False  # sketch aggregation: tier 0 broadcasts the server's step itself
     link_profile: str = links.NONE  # simulation links: preset, 'mixed', a table path, or 'none'
     round_deadline_s: float = 0.0  # round deadline in seconds (0: none); sets byte budgets
     budget_fallback: str = "skip"  # below the coarsest setting: 'skip' or 'coarsest'
@@ -52,18 +95,27 @@ class CompressionConfig:
     exact_statistics: bool = True  # BatchNorm running statistics travel exact (fedcomp.tensor_kinds)
 
     def __post_init__(self) -> None:
-        codec = fedcomp.build_codec(self.upload)  # SpecError on a bad spec
+        for name in ("upload", "download"):
+            if not isinstance(getattr(self, name), str):
+                raise fedcomp.SpecError(f"{name}={getattr(self, name)!r} is invalid: a codec spec string or 'auto'")
         if self.aggregation not in AGGREGATIONS:
             raise fedcomp.SpecError(
                 f"aggregation={self.aggregation!r} is invalid: one of {AGGREGATIONS} ('auto': sketch space for "
                 f"linear codecs such as sketch(...), decoded otherwise)")
-        agg = self.resolved_aggregation
-        if agg == "sketch" and not codec.linear:
-            raise fedcomp.SpecError(
-                f"aggregation='sketch' needs a linear upload codec such as 'sketch(rows=1, cols=4000)', got {self.upload!r}")
-        for name in ("error_feedback", "streaming", "compress_evaluate", "exact_statistics"):
+        for name in ("error_feedback", "streaming", "compress_evaluate", "exact_statistics", "seeded_init",
+                     "coupled_download"):
             if not isinstance(getattr(self, name), bool):
                 raise fedcomp.SpecError(f"{name}={getattr(self, name)!r} is invalid: True or False")
+        if self.upload == AUTO or self.download == AUTO:  # the rest is checked once resolved
+            self.resolve(partial=False)
+            self.resolve(partial=True)
+            return
+        codec = fedcomp.build_codec(self.upload)  # SpecError on a bad spec
+        agg = self.resolved_aggregation
+        if agg == "sketch" and not _linear_reducer(codec):
+            raise fedcomp.SpecError(
+                f"aggregation='sketch' needs an upload codec whose reducer is linear, such as "
+                f"'sketch(rows=1, cols=16000, ratio=0.01)+qsgd(bits=4)', got {self.upload!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise fedcomp.SpecError(f"seed={self.seed!r} is invalid: an integer")
         _number("server_momentum", self.server_momentum, 0, 1, allowed="it must be in [0, 1)")
@@ -79,7 +131,7 @@ class CompressionConfig:
         if self.norm_factor and self.norm_factor < 1:
             raise fedcomp.SpecError(f"norm_factor={self.norm_factor!r} is invalid: 0 (off) or >= 1 (the median "
                                     f"update itself must pass)")
-        for name, low in (("norm_warmup", 1), ("max_failed_rounds", 1), ("download_max_stale", 1)):
+        for name, low in (("norm_warmup", 1), ("max_failed_rounds", 1), ("download_max_stale", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise fedcomp.SpecError(f"{name}={v!r} is invalid: it must be a positive integer")
@@ -96,13 +148,50 @@ class CompressionConfig:
                 "use aggregation='decode' with link_profile, or link_profile='none'")
         if self.round_deadline_s > 0:
             check_budgetable(self.upload)  # every client with a link gets a budget: the codec needs a free parameter
+        if self.coupled_download and agg != "sketch":
+            raise fedcomp.SpecError(
+                f"coupled_download=True needs aggregation='sketch' (the server's step is what it broadcasts), "
+                f"got upload {self.upload!r} aggregated {agg!r}")
+
+    @property
+    def auto(self) -> bool:
+        """Whether the upload or download spec is still to be picked from the regime."""
+        return AUTO in (self.upload, self.download)
+
+    def resolve(self, *, partial: bool, numel: int | None = None) -> "CompressionConfig":
+        """This config with ``"auto"`` specs replaced for the regime (module docstring).
+
+        ``partial``: not every connected node is sampled each round (cross-device); ``numel``:
+        the model's float parameters (sets the sketch's cols; None: a placeholder until the
+        model is known). A config without ``"auto"`` comes back as is.
+        """
+        if not self.auto:
+            return self
+        sketchable = ((self.aggregation == "sketch" or (partial and self.aggregation == AUTO))
+                      and self.link_profile == links.NONE and not self.round_deadline_s and not self.delta)
+        if self.upload == AUTO:
+            upload = cross_device_upload(numel or PLACEHOLDER_PARAMS) if sketchable else SILO_UPLOAD
+        else:
+            upload = self.upload
+        codec = fedcomp.build_codec(upload)
+        sketch = self.aggregation == "sketch" or (self.aggregation == AUTO and _linear_reducer(codec))
+        coupled = self.coupled_download
+        if self.download == AUTO:
+            coupled = sketch and self.link_profile == links.NONE
+            ratio = getattr(codec.reducer.config, "ratio", SKETCH_RATIO) if sketch else SKETCH_RATIO
+            download = coupled_download(ratio) if coupled else SILO_DOWNLOAD
+        else:
+            download = self.download
+        return dataclasses.replace(self, upload=upload, download=download, coupled_download=coupled)
 
     @property
     def resolved_aggregation(self) -> str:
         """'sketch' or 'decode' ('auto' resolved by the upload codec's linearity)."""
         if self.aggregation != "auto":
             return self.aggregation
-        return "sketch" if fedcomp.build_codec(self.upload).linear else "decode"
+        if self.upload == AUTO:
+            raise fedcomp.FedcompError("upload='auto' is not resolved yet: call resolve() first")
+        return "sketch" if _linear_reducer(fedcomp.build_codec(self.upload)) else "decode"
 
     @property
     def client_error_feedback(self) -> bool:

@@ -8,10 +8,10 @@ payload it
 2. refuses a replay (a payload nonce the node used in an earlier round, or a ``reply-round``
    other than this round);
 3. decodes and checks the payload with the core (:class:`fedcomp.aggregate.Accumulator` or
-   :class:`fedcomp.fetchsgd.FetchSGD`), adds back delta coding's reference;
+   :class:`fedcomp.server_feedback.ServerFeedback`), adds back delta coding's reference;
 4. offers the update's norm to the round's :class:`fedcomp.aggregate.NormGuard` and, once it
    is accepted, adds it to the aggregate: the running weighted sum (weighted-mean strategies),
-   FetchSGD's sketch sum, or ``model_i = base + update_i`` handed to the inner strategy
+   the server-feedback sketch sum (FetchSGD), or ``model_i = base + update_i`` handed to the inner strategy
    (strategies that need every model: FedMedian, Krum...).
 
 A reply that fails any step is dropped with its reason in ``entry["status"]``; the round goes
@@ -33,7 +33,7 @@ import fedcomp
 from fedcomp import protocol as P
 from fedcomp.aggregate import Accumulator, NormGuard, apply_step, check_weight
 from fedcomp.budget import same_family
-from fedcomp.fetchsgd import FetchSGD
+from fedcomp.server_feedback import ServerFeedback
 from fedcomp.msgsize import message_bytes
 from fedcomp.wire import HEADER, HEADER_BYTES
 
@@ -76,7 +76,7 @@ class RoundReplies:
     layout: fedcomp.Layout
     base: dict[str, torch.Tensor]
     accumulator: Accumulator | None
-    fetch: FetchSGD | None
+    feedback: ServerFeedback | None
     guard: NormGuard
     config: object  # CompressionConfig
     upload: object  # the configured upload codec
@@ -123,8 +123,8 @@ class RoundReplies:
             raise fedcomp.FedcompError(f"replay: the payload answers round {answered}, this is round {self.round}")
         codec = self._codec(record)
         if self.mode == "sketch":
-            update = self.fetch.decode(payload, self.layout)
-            norm = self.fetch.norm(update)
+            update = self.feedback.decode(payload)
+            norm = self.feedback.norm(update)
         else:
             update = self.accumulator.decode(payload, round=self.round, codec=codec)
             if self.config.delta:
@@ -182,7 +182,7 @@ class RoundReplies:
         if update is None:  # deferred dense reply: decode again
             update = self.accumulator.decode(valid.payload, round=self.round, codec=valid.codec)
         if self.mode == "sketch":
-            self.fetch.add(update, valid.weight)
+            self.feedback.add_values(update, valid.weight)
             self.metrics.append(valid.rest)
         elif self.mode == "mean":
             self.accumulator.add_update(update, valid.weight)
@@ -202,7 +202,7 @@ class RoundReplies:
         if self.mode == "mean":
             return self.accumulator.count
         if self.mode == "sketch":
-            return self.fetch.count
+            return self.feedback.count
         return len(self.collected)
 
     def finish(self) -> int:
@@ -234,6 +234,10 @@ class NoUsableReplies(fedcomp.FedcompError):
     """Too many consecutive rounds without a single usable reply: the run stops."""
 
 
+class NonFiniteModel(fedcomp.FedcompError):
+    """The aggregate has NaN or Inf values: the run stops instead of training on it."""
+
+
 class MissingCompressionMod(fedcomp.FedcompError):
     """Replies carry no fedcomp payload: the ClientApp lacks ``compression_mod``."""
 
@@ -248,4 +252,4 @@ def summarize(statuses: list[str], limit: int = 3) -> str:
     return "; ".join(parts) + (f"; and {more} other reasons" if more > 0 else "")
 
 
-__all__ = ["RoundReplies", "ReplyHistory", "NoUsableReplies", "MissingCompressionMod", "summarize", "weight_of"]
+__all__ = ["RoundReplies", "ReplyHistory", "NoUsableReplies", "NonFiniteModel", "MissingCompressionMod", "summarize", "weight_of"]

@@ -7,12 +7,16 @@ Per training round:
    tier (server-side error feedback, :mod:`fedcomp.broadcast`) and replaces the model in
    every message by what that client needs: the chain of steps since the reference it holds,
    or the full reference on first contact and resyncs; plus the layout, codec specs, seed,
-   round (see :mod:`fedcomp.protocol`).
+   round (see :mod:`fedcomp.protocol`). With ``seeded_init`` a node never heard from holds the
+   round-0 model every node builds from the seed, so first contact is a chain too; with
+   ``coupled_download`` tier 0's step is the server's own step (encoded once in step 3's
+   aggregate, nothing encoded here).
 3. Replies carry the ``upload`` codec's payload of the client's update. Each one is counted,
    checked, decoded and added as it arrives (:mod:`fedcomp.strategies.replies`, on the core's
    :mod:`fedcomp.aggregate`; a reply that fails is dropped with its reason, the round goes on).
    Weighted-mean strategies (FedAvg, FedProx, FedAvgM, the FedOpt family) get one reply holding
-   the weighted mean; FetchSGD (``aggregation="sketch"``) sums sketches (:mod:`fedcomp.fetchsgd`);
+   the weighted mean; FetchSGD (``aggregation="sketch"``) sums sketches with server-side error
+   feedback (:mod:`fedcomp.server_feedback`);
    other strategies get ``model_i = global model + update_i`` per reply (FedMedian, Krum...).
 4. The next broadcast acknowledges each node's last aggregated round, so a client puts an
    update that never reached the aggregate back into its residual.
@@ -24,7 +28,8 @@ in :class:`RoundStats`.
 
 Failures are loud: a round whose replies carry no fedcomp payload raises
 :class:`MissingCompressionMod`; ``max_failed_rounds`` consecutive rounds without a usable reply
-raise :class:`NoUsableReplies` with the clients' errors summarised.
+raise :class:`NoUsableReplies` with the clients' errors summarised; a global model with NaN or
+Inf values raises :class:`NonFiniteModel` (the run stops instead of finishing at chance).
 
 Bandwidth budgets (``link_profile``, ``round_deadline_s``; :mod:`fedcomp.links`): clients
 with a link fit their reply to its byte budget and report the concrete codec spec they used;
@@ -48,17 +53,19 @@ from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 import fedcomp
 from fedcomp import links
 from fedcomp import protocol as P
-from fedcomp.aggregate import Accumulator, NormGuard
-from fedcomp.broadcast import Tier, parse_thresholds, parse_tiers
-from fedcomp.fetchsgd import FetchSGD
+from fedcomp.aggregate import Accumulator, NormGuard, apply_step
+from fedcomp.broadcast import Tier, parse_thresholds, parse_tiers, reference_crc
+from fedcomp.codec import derive_nonce
+from fedcomp.server_feedback import ServerFeedback
 from fedcomp.msgsize import message_bytes
 from fedcomp.strategies.config import CompressionConfig
-from fedcomp.strategies.replies import MissingCompressionMod, NoUsableReplies, ReplyHistory, RoundReplies, summarize
+from fedcomp.strategies.replies import (MissingCompressionMod, NonFiniteModel, NoUsableReplies, ReplyHistory,
+                                        RoundReplies, summarize)
 from fedcomp.strategies.streaming import StreamingGrid, can_stream
 from fedcomp.tensor_kinds import STATISTIC, exact_state_policy, split_kinds
 
 __all__ = ["CompressedStrategy", "CompressionConfig", "RoundStats", "message_bytes", "MissingCompressionMod",
-           "NoUsableReplies", "canonical_order"]
+           "NoUsableReplies", "NonFiniteModel", "canonical_order"]
 
 _MEAN_IS_THE_MODEL = (FedAvg, FedProx)  # aggregate_train of one reply of the total weight returns its model
 
@@ -126,11 +133,19 @@ class CompressedStrategy(Strategy):
     ----------
     inner : Strategy
         The strategy that samples clients and aggregates, e.g. ``FedAvg()``.
-    upload : str (default: ``"topk(ratio=0.01)+qsgd(bits=4)"``)
-        Codec spec the clients use for their updates.
-    download : str (default: ``"none()"``)
+    upload : str (default: ``"auto"``)
+        Codec spec the clients use for their updates. ``"auto"`` picks it from the regime at the
+        first training round (:class:`CompressionConfig`, measured in
+        ``simulations/figures/xdev/README.md``): every connected node sampled every round ->
+        ``topk(ratio=0.01)+qsgd(bits=4)`` with client error feedback; fewer (``fraction_train < 1``)
+        -> ``sketch(rows=1, cols=ceil(0.068 n), ratio=0.01)+qsgd(bits=4)`` (n = float parameters)
+        with server-side error feedback (``aggregation="sketch"``). Link budgets and ``delta``
+        keep the first in every regime.
+    download : str (default: ``"auto"``)
         Codec spec of the broadcasts, or tiers separated by ``|`` (tier 0 first, for the slowest
         links), e.g. ``"topk(ratio=0.01)+twobit() | topk(ratio=0.1)+kbit(bits=4) | kbit(bits=8)"``.
+        ``"auto"``: ``none()`` with decoded aggregation; with ``aggregation="sketch"`` the coupled
+        ``topk(ratio=<the sketch's ratio>)+kbit(bits=4,stochastic=true)`` (``coupled_download``).
         Each tier keeps its own reference model and error feedback (:mod:`fedcomp.broadcast`).
         A client's tier: node config ``download-tier``, else its ``downlink-kbps`` against
         ``download_tier_kbps``, else (simulation) ``partition-id`` modulo the number of tiers.
@@ -142,9 +157,23 @@ class CompressedStrategy(Strategy):
         instead of keeping every client's model (:mod:`fedcomp.strategies.streaming`). Other inner
         strategies get all decoded replies at the end (logged). ``False``: decode everything
         when the last reply is in, as Flower's loop does.
-    download_max_stale : int (default: 10)
-        A client more than this many steps of its tier behind (missed rounds) gets the full
-        reference instead of a catch-up chain.
+    download_max_stale : int (default: 0)
+        Optional cap: a client more than this many steps of its tier behind gets the full
+        reference instead of a catch-up chain. 0: no cap; a tier keeps its steps while they
+        total less than the full model's bytes (so a chain is sent whenever it is cheaper).
+    seeded_init : bool (default: False)
+        Every node can build the initial model from the run's seed (its ClientApp uses
+        ``make_compression_mod(initial_model=...)``, as the project's does): a node on first
+        contact gets the chain of compressed steps since round 0 instead of the full model. The
+        client checks the model's CRC; on a mismatch, or with a plain ``compression_mod``, it asks
+        for a resync (that round without its update) and gets the full model next round.
+    coupled_download : bool (default: False; ``download="auto"`` sets it with sketch aggregation)
+        With ``aggregation="sketch"``: tier 0's step is the server's step itself
+        (:meth:`fedcomp.server_feedback.ServerFeedback.step_broadcast`): encoded once with tier 0's
+        codec, the global model moves by exactly what it decodes to, and what the download drops
+        goes back into the server's error table, so tier 0's reference is the global model (no
+        second error-feedback loop lagging behind it). Use a stochastic quantizer in tier 0
+        (``kbit(bits=4,stochastic=true)``): with nearest rounding 2 of 5 runs collapsed.
     error_feedback : bool (default: True)
         Clients keep what compression dropped in a residual and send it later.
     seed : int (default: 0)
@@ -152,11 +181,14 @@ class CompressedStrategy(Strategy):
     aggregation : str (default: ``"auto"``)
         ``"auto"``: ``"sketch"`` for linear upload codecs (``sketch(...)``), ``"decode"`` otherwise.
         ``"decode"``: decode every reply and let the inner strategy aggregate the models.
-        ``"sketch"``: FetchSGD (Rothchild et al. 2020), for linear upload codecs such as
-        ``sketch(...)``: the server sums the clients' sketches without decoding them (weighted
-        by ``num-examples``), keeps momentum and error accumulation in sketch space, applies the
-        top-k heavy hitters of the accumulated error, and zeroes momentum and error at the cells
-        those coordinates hash to. Clients keep no residual (error feedback is server side); the
+        ``"sketch"``: FetchSGD (Rothchild et al. 2020) with server-side error feedback
+        (:class:`fedcomp.server_feedback.ServerFeedback`), for upload codecs whose reducer is
+        linear, quantizer allowed, e.g. ``sketch(rows=1, cols=16000, ratio=0.01)+qsgd(bits=4)``:
+        each reply's tables are dequantized and added to a float64 running sum as it arrives
+        (weighted by ``num-examples``), the server keeps momentum and error accumulation in
+        sketch space, applies the top-k heavy hitters of the accumulated error, and zeroes
+        momentum and error at the cells those coordinates hash to. Clients keep no residual
+        (error feedback is server side, so it holds when each client takes part rarely); the
         inner strategy still samples clients, but its aggregation is not used; integer buffers
         keep their broadcast values. Does not combine with budgets (clients' sketches would
         differ in ``cols``).
@@ -222,15 +254,13 @@ class CompressedStrategy(Strategy):
                                 f"{', '.join(f.name for f in dataclasses.fields(CompressionConfig))}")
             config = CompressionConfig(**settings)
         self.inner = inner
-        self.config = config
-        self.upload = fedcomp.build_codec(config.upload)
-        self.aggregation = config.resolved_aggregation
-        self.error_feedback = config.client_error_feedback
-        if self.upload.needs_error_feedback and not self.error_feedback and self.aggregation == "decode":
-            log(WARNING, "fedcomp: upload codec %s is biased; without error feedback it may not converge", config.upload)
-        self.tiers = [Tier(i, spec, config.download_max_stale) for i, spec in enumerate(parse_tiers(config.download))]
-        self.tier_kbps = ",".join(str(v) for v in parse_thresholds(config.download_tier_kbps, len(self.tiers)))
-        self.fetch = FetchSGD(self.upload, config.server_momentum) if self.aggregation == "sketch" else None
+        self.requested = config  # as given ('auto' specs included)
+        # 'auto' specs: provisional from the inner strategy's fraction_train until the first
+        # training round, which knows the nodes sampled, the nodes connected and the model's size
+        self._use(config.resolve(partial=float(getattr(inner, "fraction_train", 1.0)) < 1))
+        if not config.auto:
+            self._warn_biased()
+        self.feedback: ServerFeedback | None = None  # aggregation 'sketch': built with the model's layout
         self.rounds: dict[int, RoundStats] = {}
         # per node, across rounds
         self._held: dict[int, tuple[int, int, int]] = {}  # node -> (tier, version, crc) it reported
@@ -238,6 +268,7 @@ class CompressedStrategy(Strategy):
         self._want: dict[int, int] = {}  # node -> the tier it asked for
         self._capable: set[int] = set()  # nodes whose mod handles evaluate broadcasts
         self._history = ReplyHistory()  # delta references, used nonces
+        self._unseeded: set[int] = set()  # nodes that asked for a resync: no seeded round-0 assumption
         # per round
         self._round_state: _RoundState | None = None
         self._base: dict[str, torch.Tensor] = {}  # the global model of this round: model_i = base + update_i
@@ -248,6 +279,33 @@ class CompressedStrategy(Strategy):
         self._unattributed: dict[int, list[str]] = {}  # round -> reasons of errors from nodes not messaged
         self._failed_rounds: list[int] = []  # consecutive rounds without a usable reply
         self._aggregated_rounds = 0
+
+    def _use(self, config: CompressionConfig) -> None:
+        """Take a concrete config: codecs, aggregation, tiers (before any round)."""
+        self.config = config
+        self.upload = fedcomp.build_codec(config.upload)
+        self.aggregation = config.resolved_aggregation
+        self.error_feedback = config.client_error_feedback
+        self.tiers = [Tier(i, spec, config.download_max_stale or None)
+                      for i, spec in enumerate(parse_tiers(config.download))]
+        self.tier_kbps = ",".join(str(v) for v in parse_thresholds(config.download_tier_kbps, len(self.tiers)))
+
+    def _resolve(self, sampled: int, connected: int, arrays: ArrayRecord) -> None:
+        """Pick 'auto' specs from the regime at the first training round (CompressionConfig.resolve)."""
+        if not self.requested.auto or self._layout is not None:
+            return
+        numel = sum(int(v.numel()) for v in arrays.to_torch_state_dict().values() if v.is_floating_point())
+        partial = sampled < connected
+        self._use(self.requested.resolve(partial=partial, numel=numel))
+        self._warn_biased()
+        log(INFO, "fedcomp: %s (%d of %d nodes per round, %d parameters): upload %s, download %s, aggregation %s",
+            "cross-device" if partial else "cross-silo", sampled, connected, numel, self.upload.spec,
+            " | ".join(t.codec.spec for t in self.tiers), self.aggregation)
+
+    def _warn_biased(self) -> None:
+        if self.upload.needs_error_feedback and not self.error_feedback and self.aggregation == "decode":
+            log(WARNING, "fedcomp: upload codec %s is biased; without error feedback it may not converge",
+                self.upload.spec)
 
     # settings read by the project's app and tests
     seed = property(lambda self: self.config.seed)
@@ -260,8 +318,14 @@ class CompressedStrategy(Strategy):
     server_momentum = property(lambda self: self.config.server_momentum)
 
     def summary(self) -> None:
-        log(INFO, "fedcomp: upload %s, download %s, error feedback %s, aggregation %s", self.upload.spec,
-            " | ".join(t.codec.spec for t in self.tiers), "on" if self.error_feedback else "off", self.aggregation)
+        if self.requested.auto and self._layout is None:
+            log(INFO, "fedcomp: upload %s, download %s: picked at the first round from the nodes sampled and the "
+                "model's size (provisional: %s, %s)", self.requested.upload, self.requested.download,
+                self.upload.spec, " | ".join(t.codec.spec for t in self.tiers))
+        else:
+            log(INFO, "fedcomp: upload %s, download %s, error feedback %s, aggregation %s", self.upload.spec,
+                " | ".join(t.codec.spec for t in self.tiers), "on" if self.error_feedback else "off",
+                self.aggregation)
         if self.aggregation == "decode" and not can_stream(self.inner):
             log(INFO, "fedcomp: %s needs every reply at once: replies are decoded as they arrive, then collected",
                 type(self.inner).__name__)
@@ -276,6 +340,7 @@ class CompressedStrategy(Strategy):
         self._sent[server_round] = [m.metadata.dst_node_id for m in messages]
         if not messages:
             return messages
+        self._resolve(len(messages), len(list(grid.get_node_ids())), arrays)
         model = self._set_model(arrays)
         nodes = [msg.metadata.dst_node_id for msg in messages]
         tier_of = {node: self._want.get(node, 0) for node in nodes}
@@ -288,7 +353,7 @@ class CompressedStrategy(Strategy):
             if len(array_keys) != 1:
                 raise ValueError(f"CompressedStrategy expects one ArrayRecord per train message, got {array_keys}")
             tier = self.tiers[tier_of[node]]
-            plan = tier.plan(self._held.get(node))
+            plan = tier.plan(self._holds(node, tier))
             dense_bytes = message_bytes(msg.content)
             content = RecordDict({k: v for k, v in msg.content.items() if k != array_keys[0]})
             content[P.DOWNLOAD_RECORD] = ConfigRecord({
@@ -320,6 +385,8 @@ class CompressedStrategy(Strategy):
         if layout != self._layout:
             self._accumulator = None
             self._exact_statistics(layout)
+            if self.aggregation == "sketch":  # server-side error feedback: tables per segment of this layout
+                self.feedback = ServerFeedback(self.upload, layout, self.config.server_momentum)
         self._layout = layout
         self._base = {k: v.detach().cpu() for k, v in model.items()}
         self._dense_model_bytes = message_bytes(ArrayRecord(self._base))
@@ -354,8 +421,18 @@ class CompressedStrategy(Strategy):
         tier.step(model, version, self.config.seed)
         return 1
 
+    def _holds(self, node: int, tier: Tier) -> tuple[int, int, int] | None:
+        """The reference a node holds: what it reported; for a node never heard from, with
+        ``seeded_init``, the round-0 model every node builds from the seed (a node that asked for
+        a resync gets no such assumption: it gets the full model)."""
+        held = self._held.get(node)
+        if held is None and self.config.seeded_init and node not in self._unseeded:
+            return tier.seeded()
+        return held
+
     def _plan_fields(self, plan, tier: Tier, server_round: int, arrays_key: str) -> dict:
         return {
+            P.SEEDED_INIT: self.config.seeded_init,
             P.MODE: plan.mode, P.PAYLOADS: list(plan.payloads), P.ROUNDS: list(plan.rounds),
             P.BASE_CRC: plan.base_crc, P.REF_CRC: plan.crc, P.TIER: plan.tier, P.TIERS: len(self.tiers),
             P.TIER_KBPS: self.tier_kbps, P.LAYOUT: self._layout.to_json(), P.DOWNLOAD_SPEC: tier.codec.spec,
@@ -409,12 +486,46 @@ class CompressedStrategy(Strategy):
         self._failed_rounds.clear()
         self._aggregated_rounds += 1
         if handler.mode == "sketch":
-            model = self.fetch.step(self._base, self._layout)
-            return ArrayRecord(model), self._aggregate_metrics(handler.metrics)
-        if handler.mode == "collect":
+            arrays, metrics = ArrayRecord(self._sketch_step(server_round)), self._aggregate_metrics(handler.metrics)
+        elif handler.mode == "collect":
             arrays, metrics = self.inner.aggregate_train(server_round, handler.collected + state.errors)
-            return self._as_layout(arrays), metrics
-        return self._finish_mean(server_round, state)
+            arrays = self._as_layout(arrays)
+        else:
+            arrays, metrics = self._finish_mean(server_round, state)
+        self._check_finite(server_round, arrays, stats)
+        return arrays, metrics
+
+    def _sketch_step(self, server_round: int) -> dict[str, torch.Tensor]:
+        """The new model from the server-side error feedback. With ``coupled_download`` the step is
+        encoded once with tier 0's codec, the model moves by exactly what that payload decodes to
+        (what the download dropped goes back into the error table), and the payload is tier 0's
+        step to the next round as is: its reference is the global model."""
+        tier = self.tiers[0]
+        if not self.config.coupled_download or tier.reference is None or tier.crc != reference_crc(self._base):
+            if self.config.coupled_download:
+                log(WARNING, "fedcomp: tier 0's reference is not the global model in round %s; its step is encoded "
+                    "apart this round", server_round)
+            return apply_step(self._base, self.feedback.step())
+        sent, payload = self.feedback.step_broadcast(
+            tier.codec, nonce=derive_nonce(self.config.seed, server_round + 1, -1), round=server_round + 1)
+        model = apply_step(self._base, sent)
+        tier.append(model, server_round + 1, payload)
+        return model
+
+    def _check_finite(self, server_round: int, arrays: ArrayRecord | None, stats: RoundStats) -> None:
+        """Stop the run when the new global model has NaN or Inf values (every reply is checked,
+        but a finite sum can still overflow or a server step diverge): training on from it would
+        finish at chance with nothing said."""
+        if arrays is None:
+            return
+        bad = [name for name, t in arrays.to_torch_state_dict().items()
+               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise NonFiniteModel(
+                f"fedcomp: the global model of round {server_round} has NaN or Inf values in {bad[:5]}"
+                f"{' and more' if len(bad) > 5 else ''} (aggregation {self.aggregation!r}, upload "
+                f"{self.upload.spec!r}, {stats.aggregated} replies aggregated); the run stops. Lower the "
+                f"learning rate, set max_update_norm, or use a larger sketch (cols) / more bits")
 
     def _check_wrapped(self, server_round: int, state: _RoundState, stats: RoundStats) -> None:
         """A round with replies but not one fedcomp payload record: the clients lack compression_mod."""
@@ -434,8 +545,8 @@ class CompressedStrategy(Strategy):
             f"`app = ClientApp(mods=[compression_mod])`. Replies: {summarize([c['status'] for c in stats.clients])}")
 
     def _failed_round(self, server_round: int, stats: RoundStats, handler) -> tuple[None, None]:
-        if self.fetch is not None:
-            self.fetch.discard_round()
+        if self.feedback is not None:
+            self.feedback.discard_round()
         self._failed_rounds.append(server_round)
         statuses = [c["status"] for c in stats.clients]
         log(WARNING, "fedcomp: no usable replies in round %s (%d of %d consecutive rounds allowed): %s", server_round,
@@ -467,7 +578,7 @@ class CompressedStrategy(Strategy):
             self._accumulator.reset()
         return RoundReplies(
             round=server_round, mode=mode, layout=self._layout, base=self._base, accumulator=self._accumulator,
-            fetch=self.fetch, guard=NormGuard(self.config.norm_factor, self.config.norm_warmup,
+            feedback=self.feedback, guard=NormGuard(self.config.norm_factor, self.config.norm_warmup,
                                               self.config.max_update_norm),
             config=self.config, upload=self.upload, weight_key=self._weight_key(), history=self._history,
             on_accept=self._accepted(server_round), dense_model_bytes=self._dense_model_bytes)
@@ -614,6 +725,7 @@ class CompressedStrategy(Strategy):
             self._want[node] = want
         if P.RESYNC in record:
             self._held.pop(node, None)
+            self._unseeded.add(node)  # it could not use the seeded model (or lost its state): full next time
             return str(record[P.RESYNC])
         try:
             held = (int(record[P.TIER]), int(record[P.REF_VERSION]), int(record[P.REF_CRC]))
@@ -651,7 +763,7 @@ class CompressedStrategy(Strategy):
             if compressible and node in self._capable and len(array_keys) == 1:
                 tier = self.tiers[self._want.get(node, 0)]
                 stats.encodes += self._step_tier(tier, model, server_round + 1)
-                plan = tier.plan(self._held.get(node))
+                plan = tier.plan(self._holds(node, tier))
                 content = RecordDict({k: v for k, v in msg.content.items() if k != array_keys[0]})
                 content[P.DOWNLOAD_RECORD] = ConfigRecord({
                     **self._plan_fields(plan, tier, server_round + 1, array_keys[0]), P.KIND: "evaluate"})

@@ -190,7 +190,7 @@ BAD_RUN_CONFIG = {
     "upload": ("topk(ratio=2)", "ratio must be a fraction in (0, 1]"),
     "download": ("gzip()", "unknown codec 'gzip'"),
     "download-tier-kbps": ("8000,1000", "ascending"),
-    "download-max-stale": (0, "a positive integer"),
+    "download-max-stale": (-1, "an integer >= 0"),
     "link-profile": ("5g-dream", "link-profile='5g-dream' is invalid"),
     "round-deadline-s": (-1.0, "seconds >= 0"),
     "budget-fallback": ("retry", "one of"),

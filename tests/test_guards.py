@@ -119,7 +119,9 @@ def test_auto_aggregation_and_config_object():
     assert CompressedStrategy(FedAvg(), upload="topk(ratio=0.1)").aggregation == "decode"
     cfg = CompressionConfig(upload="kbit(bits=4)", norm_factor=5.0)
     strategy = CompressedStrategy(FedAvg(), config=cfg)
-    assert strategy.config is cfg and strategy.upload.spec.startswith("kbit(bits=4")
+    # the config as given; the one in use has download='auto' resolved (none(): decoded aggregation)
+    assert strategy.requested is cfg and strategy.upload.spec.startswith("kbit(bits=4")
+    assert strategy.config.download == "none()" and strategy.config.norm_factor == 5.0
     with pytest.raises(fedcomp.SpecError, match="either config= or keyword"):
         CompressedStrategy(FedAvg(), config=cfg, upload="none()")
     for bad in ({"aggregation": "median"}, {"norm_factor": 0.5}, {"max_weight": -1.0}, {"max_failed_rounds": 0}):

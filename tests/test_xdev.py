@@ -1,0 +1,239 @@
+"""Cross-device defaults in the wrapper and the mod: server-side error feedback for sketch uploads,
+the non-finite guard, seeded first contact, byte-bounded tier history, coupled downloads, and the
+regime-picked defaults (issue 15; the study: simulations/figures/xdev/README.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flwr.app import ArrayRecord
+from flwr.serverapp.strategy import FedAvg
+
+import fedcomp
+from fedcomp.server_feedback import ServerFeedback
+from fedcomp.strategies import CompressedStrategy, NonFiniteModel
+
+from conftest import node_context, run_round, tiny_model
+
+QSKETCH = "sketch(rows=1,cols=600,ratio=0.02)+qsgd(bits=4)"
+
+
+def _contexts(n):
+    return {i: node_context(i, **{"partition-id": i - 1, "num-partitions": n}) for i in range(1, n + 1)}
+
+
+# -- 1. aggregation='sketch' through one ServerFeedback -------------------------------------------
+def test_quantized_sketch_upload_is_summed_in_sketch_space_by_server_feedback():
+    strategy = CompressedStrategy(FedAvg(), upload=QSKETCH, download="none()")
+    assert strategy.aggregation == "sketch" and not strategy.error_feedback
+    model, contexts = tiny_model(), _contexts(4)
+    new, replies, messages = run_round(strategy, model, contexts, 1)
+    assert isinstance(strategy.feedback, ServerFeedback)
+    assert strategy.rounds[1].aggregated == 4
+    # the same replies through a ServerFeedback of our own give the same step
+    ref = ServerFeedback(fedcomp.build_codec(QSKETCH), fedcomp.Layout.of(model))
+    for r in replies:
+        ref.add(r.content.config_records["fedcomp.upload"]["payload"],
+                r.content.metric_records["metrics"]["num-examples"])
+    step = ref.step()
+    assert int((step["w"] != 0).sum()) > 0
+    assert torch.allclose(new["w"], model["w"] + step["w"], atol=1e-6)
+    assert torch.equal(new["steps"], model["steps"])  # integer buffers keep the base
+    # clients keep no residual (the error lives on the server)
+    assert all("fedcomp.residual" not in c.state.array_records for c in contexts.values())
+
+
+def test_sketch_aggregation_refuses_a_codec_whose_reducer_is_not_linear():
+    with pytest.raises(fedcomp.SpecError, match="reducer is linear"):
+        CompressedStrategy(FedAvg(), upload="topk(ratio=0.01)+qsgd(bits=4)", aggregation="sketch")
+
+
+class _NaNAvg(FedAvg):
+    """A non-streamable FedAvg (collect mode) whose aggregate is NaN: a diverged server step."""
+
+    def aggregate_train(self, server_round, replies):
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        model = arrays.to_torch_state_dict()
+        model["w"][0, 0] = float("nan")
+        return ArrayRecord(model), metrics
+
+
+def test_a_non_finite_global_model_stops_the_run_with_a_typed_error():
+    strategy = CompressedStrategy(_NaNAvg(), upload="topk(ratio=0.1)+qsgd(bits=4)")
+    with pytest.raises(NonFiniteModel, match="round 1 has NaN or Inf values in \\['w'\\]"):
+        run_round(strategy, tiny_model(), _contexts(3), 1)
+
+
+# -- 2. downloads: seeded first contact, byte-bounded history, coupled steps ----------------------
+def _drive(strategy, model, contexts, server_round, mod, *, nodes=None):
+    """One round with ``mod`` on every sampled node (conftest's run_round uses the plain mod)."""
+    from flwr.app import ConfigRecord
+
+    from conftest import FakeGrid, shift_trainer
+
+    grid = FakeGrid(sorted(nodes if nodes is not None else contexts))
+    messages = list(strategy.configure_train(server_round, ArrayRecord(model), ConfigRecord({}), grid))
+    replies = [mod(m, contexts[m.metadata.dst_node_id], shift_trainer(m.metadata.dst_node_id, server_round))
+               for m in messages]
+    arrays, _ = strategy.aggregate_train(server_round, replies)
+    return (arrays.to_torch_state_dict() if arrays is not None else model), replies
+
+
+def _modes(strategy, server_round):
+    return sorted(d["mode"] for d in strategy.rounds[server_round].downloads)
+
+
+def _status(strategy, server_round):
+    return sorted(c["status"].split(":")[0] for c in strategy.rounds[server_round].clients)
+
+
+def test_seeded_first_contact_is_a_chain_and_the_client_holds_the_servers_reference():
+    from fedcomp.clients import make_compression_mod
+
+    model = tiny_model()
+    mod = make_compression_mod(initial_model=lambda context: tiny_model())
+    strategy = CompressedStrategy(FedAvg(fraction_train=0.5), upload="topk(ratio=0.1)+qsgd(bits=4)",
+                                  download="topk(ratio=0.1)+kbit(bits=8)", seeded_init=True)
+    contexts = _contexts(4)
+    announced = set()
+    for r in (1, 2, 3):
+        model, replies = _drive(strategy, model, contexts, r, mod)
+        assert _modes(strategy, r) == ["chain", "chain"]  # never the full model, first contact included
+        assert _status(strategy, r) == ["ok", "ok"]
+        announced |= {m.metadata.src_node_id for m in replies
+                      if "capabilities" in m.content.config_records["fedcomp.upload"]}
+    assert announced and announced <= strategy._capable  # seeded first contact says what the mod can do
+    tier = strategy.tiers[0]
+    for c in contexts.values():
+        if "fedcomp.reference" in c.state.array_records:
+            held = c.state.array_records["fedcomp.reference"].to_torch_state_dict()
+            info = c.state.config_records["fedcomp.reference-info"]
+            assert tier.verify(int(info["ref-version"]), int(info["ref-crc"]))
+            if int(info["ref-version"]) == tier.version:
+                assert all(torch.equal(held[k], tier.reference[k]) for k in held)
+
+
+@pytest.mark.parametrize("initial", ["plain", "other-seed"])
+def test_a_node_that_cannot_build_the_seeded_model_resyncs_once_then_gets_the_full_model(initial):
+    from fedcomp.clients import compression_mod, make_compression_mod
+
+    mod = compression_mod if initial == "plain" else make_compression_mod(initial_model=lambda c: tiny_model(seed=7))
+    strategy = CompressedStrategy(FedAvg(), upload="topk(ratio=0.1)+qsgd(bits=4)",
+                                  download="topk(ratio=0.1)+kbit(bits=8)", seeded_init=True)
+    model, contexts = tiny_model(), _contexts(2)
+    model, _ = _drive(strategy, model, contexts, 1, mod)
+    assert _modes(strategy, 1) == ["chain", "chain"] and _status(strategy, 1) == ["resync", "resync"]
+    model, _ = _drive(strategy, model, contexts, 2, mod)
+    assert _modes(strategy, 2) == ["full", "full"] and _status(strategy, 2) == ["ok", "ok"]
+    _drive(strategy, model, contexts, 3, mod)
+    assert _modes(strategy, 3) == ["chain", "chain"] and _status(strategy, 3) == ["ok", "ok"]
+
+
+def test_a_plain_strategy_keeps_the_full_model_on_first_contact():
+    from fedcomp.clients import make_compression_mod
+
+    mod = make_compression_mod(initial_model=lambda c: tiny_model())
+    strategy = CompressedStrategy(FedAvg(), upload="topk(ratio=0.1)+qsgd(bits=4)", download="kbit(bits=8)")
+    _drive(strategy, tiny_model(), _contexts(2), 1, mod)
+    assert _modes(strategy, 1) == ["full", "full"]
+
+
+def test_tier_history_is_bounded_by_the_full_models_bytes_not_by_rounds():
+    from fedcomp.broadcast import Tier
+
+    model = tiny_model(rows=40, cols=40)
+    tier = Tier(0, "topk(ratio=0.05)+kbit(bits=8)")
+    tier.start(model)
+    g = torch.Generator().manual_seed(3)
+    for r in range(1, 80):
+        model = {k: v + 0.01 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+                 for k, v in model.items()}
+        tier.step(model, r)
+        assert tier.history_nbytes == sum(len(s.payload) for s in tier.history) < tier.full_nbytes()
+        assert tier.history[-1].round == r
+    kept = len(tier.history)
+    assert 10 < kept < 79  # more than the old 10-step cap, fewer than all
+    # a client as stale as the oldest step kept still gets a chain (cheaper than the full model)
+    oldest = tier.history[0]
+    plan = tier.plan((0, oldest.round - 1, oldest.base_crc))
+    assert plan.mode == "chain" and plan.nbytes < tier.full_nbytes() and len(plan.rounds) == kept
+    assert tier.plan(tier.seeded()).mode == "full"  # round 0's step is gone: full
+    capped = Tier(0, "topk(ratio=0.05)+kbit(bits=8)", max_stale=5)
+    capped.start(model)
+    for r in range(1, 9):
+        capped.step({k: v + r if v.is_floating_point() else v for k, v in model.items()}, r)
+    assert len(capped.history) == 5
+
+
+def test_coupled_download_moves_the_model_by_exactly_what_it_broadcasts():
+    from fedcomp.clients import make_compression_mod
+
+    model0 = tiny_model(rows=64, cols=60)
+    mod = make_compression_mod(initial_model=lambda c: tiny_model(rows=64, cols=60))
+    strategy = CompressedStrategy(FedAvg(fraction_train=0.5), upload=QSKETCH, seeded_init=True)
+    assert strategy.config.coupled_download and strategy.config.download.startswith("topk(ratio=0.02)+kbit(bits=4")
+    contexts = _contexts(4)
+    model = model0
+    for r in range(1, 5):
+        model, _ = _drive(strategy, model, contexts, r, mod)
+        tier = strategy.tiers[0]
+        assert tier.version == r + 1 and all(torch.equal(tier.reference[k], model[k]) for k in model)
+        if r > 1:
+            assert strategy.rounds[r].encodes == 0  # the aggregate's payload is the tier's step: no second encode
+    assert not torch.equal(model["w"], model0["w"]) and torch.equal(model["steps"], model0["steps"])
+    # a node replaying the chain from the seeded model holds the global model bit for bit
+    _drive(strategy, model, contexts, 5, mod)
+    for c in contexts.values():
+        info = c.state.config_records.get("fedcomp.reference-info")
+        if info is not None and int(info["ref-version"]) == 5:
+            held = c.state.array_records["fedcomp.reference"].to_torch_state_dict()
+            assert all(torch.equal(held[k], model[k]) for k in model)
+            break
+    else:
+        pytest.fail("no node trained in round 5")
+
+
+def test_coupled_download_needs_sketch_aggregation():
+    with pytest.raises(fedcomp.SpecError, match="coupled_download=True needs aggregation='sketch'"):
+        CompressedStrategy(FedAvg(), upload="topk(ratio=0.01)", download="kbit(bits=8)", coupled_download=True)
+
+
+# -- 3. defaults picked from the regime -----------------------------------------------------------
+@pytest.mark.parametrize("fraction, min_nodes, regime", [(1.0, 2, "silo"), (0.5, 2, "device"), (0.5, 4, "silo")])
+def test_auto_specs_follow_the_nodes_sampled_and_the_models_size(fraction, min_nodes, regime):
+    import math
+
+    model = tiny_model(rows=64, cols=60)
+    strategy = CompressedStrategy(FedAvg(fraction_train=fraction, min_train_nodes=min_nodes, min_available_nodes=2))
+    run_round(strategy, model, _contexts(4), 1)
+    numel = 64 * 60 + 64
+    if regime == "silo":
+        assert strategy.upload.spec.startswith("topk(ratio=0.01") and strategy.error_feedback
+        assert strategy.aggregation == "decode" and strategy.tiers[0].codec.spec == "none()"
+    else:
+        assert strategy.upload.spec.startswith(f"sketch(rows=1,cols={math.ceil(0.068 * numel)},ratio=0.01")
+        assert strategy.aggregation == "sketch" and not strategy.error_feedback
+        assert strategy.config.coupled_download and "stochastic=True" in strategy.tiers[0].codec.spec
+    assert strategy.rounds[1].aggregated == (4 if regime == "silo" else 2)
+
+
+def test_auto_keeps_decoded_aggregation_with_link_budgets_or_delta():
+    for settings in ({"link_profile": "4g"}, {"delta": 0.5}):
+        cfg = CompressedStrategy(FedAvg(fraction_train=0.1), **settings).requested.resolve(partial=True, numel=10_000)
+        assert cfg.upload.startswith("topk(") and cfg.download == "none()" and not cfg.coupled_download
+
+
+def test_a_dense_tier_keeps_its_latest_step_so_evaluate_and_train_encode_once():
+    from flwr.app import ConfigRecord
+
+    from conftest import FakeGrid
+
+    strategy = CompressedStrategy(FedAvg(fraction_evaluate=1.0), upload="topk(ratio=0.1)+qsgd(bits=4)",
+                                  download="none()")  # a none() step costs a full model: history keeps one
+    model, contexts = tiny_model(), _contexts(2)
+    model, _, _ = run_round(strategy, model, contexts, 1)
+    strategy.configure_evaluate(1, ArrayRecord(model), ConfigRecord({}), FakeGrid([1, 2]))
+    tier = strategy.tiers[0]
+    assert len(tier.history) == 1 and tier.version == 2
+    run_round(strategy, model, contexts, 2)  # trains from the version evaluate reached: no second step
+    assert strategy.rounds[2].encodes == 0 and tier.version == 2
