@@ -20,10 +20,21 @@ from collections.abc import Callable, Iterable
 
 from flwr.app import Message
 from flwr.server import Grid
-from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
+from flwr.serverapp.strategy import (Bulyan, FedAdagrad, FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedTrimmedAvg,
+                                     FedYogi, Krum, MultiKrum, QFedAvg, Strategy)
 
 # aggregate_train of these is a function of the num-examples-weighted mean of the replies' models
 STREAMABLE = (FedAvg, FedProx, FedAvgM, FedAdam, FedAdagrad, FedYogi)
+
+
+# aggregate_train of these compares or re-weights the clients' updates one by one (robust
+# aggregators, QFedAvg's loss weighting): sparse or sketched uploads defeat them (config.py)
+PER_CLIENT = (FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan, QFedAvg)
+
+
+def per_client(strategy: Strategy) -> bool:
+    """True for the strategies (or subclasses) of :data:`PER_CLIENT`."""
+    return isinstance(strategy, PER_CLIENT)
 
 
 def can_stream(strategy: Strategy) -> bool:
