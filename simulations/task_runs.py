@@ -11,7 +11,7 @@ does for digits), on any task of :mod:`fedcomp.simulations.task`:
 
    * ``aggregation="decode"``: :class:`fedcomp.aggregate.Accumulator`, weighted by example
      counts, mean added to the global model (integer entries: the rounded mean delta);
-   * ``aggregation="sketch"``: FetchSGD as ``CompressedStrategy._aggregate_sketches`` does it:
+   * ``aggregation="sketch"``: FetchSGD as ``fedcomp.server_feedback.ServerFeedback`` does it:
      weighted sum of the sketches, momentum and error in sketch space, the error's heavy
      hitters applied to the float entries, integer entries keep their broadcast values;
 
