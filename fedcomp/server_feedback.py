@@ -37,12 +37,14 @@ Memory: two tables per segment (momentum and error), ``8 * rows * cols`` bytes; 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fedcomp.codec import Codec
+from fedcomp.aggregate import check_weight
 from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.fetchsgd import sketch_step
 from fedcomp.layout import Layout
@@ -109,14 +111,17 @@ class ServerFeedback:
         self.add_values(self.decode(payload), weight)
 
     @staticmethod
-    def _check_weight(weight) -> None:
-        if isinstance(weight, bool) or not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
-            raise FedcompError(f"weight={weight!r} is invalid: it must be a finite number >= 0")
+    def _check_weight(weight) -> float:
+        """0 (counts for nothing) or what :func:`fedcomp.aggregate.check_weight` accepts (finite, > 0,
+        at most 2**53); a WeightError naming the value otherwise."""
+        if isinstance(weight, numbers.Real) and not isinstance(weight, bool) and weight == 0:
+            return 0.0
+        return check_weight(weight)
 
     def add_values(self, values: list[torch.Tensor], weight: float = 1.0) -> None:
         """Add one upload already decoded by :meth:`decode` (the wrapper decodes first to check
         its norm). Sums are float64, so the order replies arrive in changes no bit that matters."""
-        self._check_weight(weight)
+        weight = self._check_weight(weight)
         if self._sum is not None and (len(values) != len(self._sum)
                                       or any(v.numel() != s.numel() for v, s in zip(values, self._sum))):
             raise DecodeError("upload's table shapes differ from the round's other uploads")
