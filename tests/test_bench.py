@@ -61,3 +61,19 @@ def test_sweep_tiny(tmp_path):
     assert "| `none()` | off |" in (tmp_path / "sweep.md").read_text()
     assert (tmp_path / "sweep_accuracy_vs_upload.png").stat().st_size > 0
     assert (tmp_path / "sweep_accuracy_vs_round.png").stat().st_size > 0
+
+
+def test_strategy_study_tiny(tmp_path):
+    from fedcomp.simulations import strategy_study
+
+    out = tmp_path / "runs.jsonl"
+    strategy_study.main(["FedAvg", "FedMedian", "--rounds", "1", "--clients", "3", "--out", str(out)])
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["strategy"], r["wrapped"]) for r in runs] == [("FedAvg", False), ("FedAvg", True),
+                                                            ("FedMedian", False), ("FedMedian", True)]
+    uploads = {(r["strategy"], r["wrapped"]): r["upload"] for r in runs}
+    assert uploads[("FedMedian", True)] == "qsgd(bits=4)" and uploads[("FedAvg", True)].startswith("topk(")
+    dense, compressed = runs[0]["rounds"][0]["upload_bytes"], runs[1]["rounds"][0]["upload_bytes"]
+    assert dense > 100 * compressed  # the wrapped FedAvg run really compressed
+    table = strategy_study.table(out)
+    assert "| FedMedian |" in table and "`qsgd(bits=4)`" in table
