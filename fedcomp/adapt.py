@@ -5,17 +5,22 @@ Both produce *byte budgets*, the input of :func:`fedcomp.budget.fit_update`, whi
 codec's free parameter (top-k ratio, bits, rank, sketch columns) to fit; so they compose with
 declared links (the smaller budget wins), download tiers and every budgetable codec.
 
-Accuracy-driven (:class:`StrengthController`), once per round after the server evaluates::
+Accuracy-driven (:class:`StrengthController`): the signal is the server-side evaluation after
+each round (accuracy, or minus the loss). It is averaged over windows of `window` rounds (a
+single round's test accuracy is too noisy to act on); at the end of each window, with ``gain`` =
+this window's mean minus the previous window's::
 
-    signal s_t (server-side accuracy, or minus the loss), best = max of earlier signals
-    s_t > best + tolerance          on track: after `patience` such rounds, budget *= tighten
-    s_t < best - tolerance          degrading: budget *= relax, then `cooldown` rounds without tightening
-    otherwise (within tolerance)    stalled: after `patience` such rounds, budget *= relax
+    gain > tolerance        on track: budget *= tighten (not within `cooldown` windows of a relax)
+    gain < -tolerance       degrading: budget *= relax
+    otherwise               stalled: budget *= relax -- a probe: does less compression help?
+      the window after a probe, still no gain: revert to the budget before the probe, and wait
+      twice as many stalled windows before the next probe (1, 2, 4, ...; reset by progress)
     budget clamped to [lowest, highest]
 
-Tightening needs repeated progress and is blocked after every relax (hysteresis), so a noisy
-signal makes the budget hold rather than oscillate. Relaxing on a stall costs bytes only when
-training has settled below what less compression would reach; at `highest` it stops.
+So compression tightens while training progresses, and is bought back only when progress stops;
+a plateau that less compression does not lift (training has converged) costs one probe window
+at exponentially growing intervals. The budget changes at most once per window, and tightening
+waits after every relax (hysteresis), so noise makes the budget hold rather than oscillate.
 
 Measured links (:class:`LinkEstimator`): per node and direction, the last `window` transfers
 (bytes, seconds) are fitted to ``seconds = latency + bytes * 8 / (kbps * 1000)`` by least squares
@@ -53,16 +58,18 @@ class StrengthController:
     lowest: int  # smallest budget, bytes (the strongest compression allowed)
     highest: int  # largest budget, bytes (the weakest compression allowed)
     start: int  # first round's budget, bytes
-    tighten: float = 0.7  # budget factor after `patience` on-track rounds (< 1)
-    relax: float = 1.6  # budget factor when the signal drops or stalls (> 1)
-    tolerance: float = 0.005  # signal change that counts (accuracy: half a point)
-    patience: int = 2  # rounds of progress before tightening, of stall before relaxing
-    cooldown: int = 3  # rounds after a relax in which the budget is not tightened
+    tighten: float = 0.7  # budget factor when a window made progress (< 1)
+    relax: float = 1.6  # budget factor when a window stalled or dropped (> 1)
+    tolerance: float = 0.005  # change of the window mean that counts (accuracy: half a point)
+    window: int = 5  # rounds per decision; the signal is averaged over a window (test-set noise)
+    cooldown: int = 1  # windows after a relax in which the budget is not tightened
     budget: float = field(init=False)
-    best: float = field(init=False, default=-math.inf)
     history: list[dict] = field(init=False, default_factory=list)  # per round: signal, decision, budget
-    _progress: int = field(init=False, default=0)
-    _stalled: int = field(init=False, default=0)
+    _signals: list[float] = field(init=False, default_factory=list)  # this window's
+    _last_mean: float | None = field(init=False, default=None)  # the previous window's mean
+    _probe_from: float | None = field(init=False, default=None)  # budget before a stall relax (to revert to)
+    _backoff: int = field(init=False, default=1)  # stalled windows before the next stall relax
+    _waited: int = field(init=False, default=0)
     _quiet: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -76,10 +83,10 @@ class StrengthController:
         _positive("relax", self.relax, above_one=True)
         if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) or not 0 <= self.tolerance < math.inf:
             raise AdaptError(f"tolerance={self.tolerance!r} is invalid: tolerance must be a finite number >= 0")
-        for name in ("patience", "cooldown"):
+        for name, least in (("window", 1), ("cooldown", 0)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "patience" else 0):
-                raise AdaptError(f"{name}={v!r} is invalid: {name} must be an integer >= {1 if name == 'patience' else 0}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise AdaptError(f"{name}={v!r} is invalid: {name} must be an integer >= {least}")
         self.budget = float(self.start)
 
     def current(self) -> int:
@@ -90,28 +97,47 @@ class StrengthController:
         """Take round ``round``'s signal (higher is better) and return the next round's budget."""
         if isinstance(signal, bool) or not isinstance(signal, (int, float)) or not math.isfinite(signal):
             raise AdaptError(f"signal={signal!r} for round {round} is invalid: it must be a finite number")
+        self._signals.append(float(signal))
         decision = "hold"
-        if signal > self.best + self.tolerance:
-            self._progress, self._stalled = self._progress + 1, 0
-            if self._progress >= self.patience and not self._quiet:
-                decision, self._progress = "tighten", 0
-        elif signal < self.best - self.tolerance:
-            decision, self._progress, self._stalled = "relax", 0, 0
-        else:
-            self._progress, self._stalled = 0, self._stalled + 1
-            if self._stalled >= self.patience:
-                decision, self._stalled = "relax", 0
-        self.best = max(self.best, signal)
-        self._quiet = max(0, self._quiet - 1)
-        if decision == "tighten":
-            self.budget = max(float(self.lowest), self.budget * self.tighten)
-        elif decision == "relax":
-            if self.budget >= self.highest:
-                decision = "hold"  # nothing left to relax
-            self.budget = min(float(self.highest), self.budget * self.relax)
-            self._quiet = self.cooldown
+        if len(self._signals) >= self.window:
+            decision = self._decide(sum(self._signals) / len(self._signals))
+            self._signals.clear()
         self.history.append({"round": round, "signal": float(signal), "decision": decision, "budget": self.current()})
         return self.current()
+
+    def _decide(self, mean: float) -> str:
+        last, self._last_mean = self._last_mean, mean
+        if last is None:
+            return "hold"  # the first window is the reference
+        gain = mean - last
+        probing, self._probe_from = self._probe_from, None
+        quiet, self._quiet = self._quiet, max(0, self._quiet - 1)
+        if gain > self.tolerance:  # on track
+            if quiet:
+                return "hold"
+            self._backoff, self._waited = 1, 0
+            return self._move("tighten", max(float(self.lowest), self.budget * self.tighten))
+        if probing is not None and gain >= -self.tolerance:
+            # a relax on a stall that bought nothing: back to the budget before it, probe half as often
+            self._backoff, self._waited = 2 * self._backoff, 0
+            return self._move("revert", probing)
+        self._waited += 1
+        if gain >= -self.tolerance and self._waited < self._backoff:
+            return "hold"  # stalled, but the last probe on a stall did not help: wait longer
+        self._waited = 0
+        before = self.budget
+        decision = self._move("relax", min(float(self.highest), self.budget * self.relax))
+        if decision == "relax":
+            self._quiet = self.cooldown
+            if gain >= -self.tolerance:
+                self._probe_from = before
+        return decision
+
+    def _move(self, decision: str, budget: float) -> str:
+        if int(budget) == self.current():
+            return "hold"  # at a bound
+        self.budget = budget
+        return decision
 
 
 @dataclass
@@ -149,3 +175,147 @@ class LinkEstimator:
         # bandwidth from the time left after latency, over all kept transfers (a sum, not a mean of ratios)
         busy = sum(max(s - latency, 1e-9) for _, s in seen)
         return sum(sizes) * 8 / busy / 1000, latency
+
+
+# -- `auto` strength in an upload spec -------------------------------------------------------------
+AUTO = "auto"  # the value that marks a codec parameter as set each round by the controller
+
+
+def is_auto(spec: str) -> bool:
+    """True when ``spec`` (a plain codec spec) has a parameter written as ``auto``."""
+    from fedcomp.policy import is_policy
+    from fedcomp.spec import parse_spec
+
+    if is_policy(spec):
+        return False
+    return any(v == AUTO for st in parse_spec(spec) for _, v in st.args)
+
+
+def _signal(metrics) -> float | None:
+    """The controller's signal from an evaluation's metrics: ``accuracy`` (or ``acc``), else minus ``loss``."""
+    for key in ("accuracy", "acc"):
+        if key in metrics:
+            return float(metrics[key])
+    if "loss" in metrics:
+        return -float(metrics["loss"])
+    return None
+
+
+@dataclass(frozen=True)
+class AdaptSettings:
+    """The controller's bounds as reductions against the dense payload, and its policy factors.
+
+    One set of defaults for every task and codec (no per-task tuning): bytes are relative to the
+    model's dense payload, so the same reductions mean the same thing on a 200k- and a 2M-parameter
+    model; the codec's own range clamps them.
+    """
+
+    min_reduction: float = 30.0  # highest budget = dense / this (the weakest compression allowed)
+    max_reduction: float = 3000.0  # lowest budget = dense / this (the strongest compression allowed)
+    start_reduction: float = 3000.0  # the first round's budget = dense / this: the strongest compression
+    # allowed (with error feedback early rounds progress under any compression; the controller relaxes
+    # when progress stops, so a start too strong costs a few windows, one too weak costs bytes every round)
+    tighten: float = 0.7  # StrengthController.tighten
+    relax: float = 1.6  # StrengthController.relax
+    tolerance: float = 0.005  # StrengthController.tolerance (accuracy: half a point)
+    window: int = 5  # StrengthController.window
+    cooldown: int = 1  # StrengthController.cooldown
+
+    def __post_init__(self) -> None:
+        for name in ("min_reduction", "max_reduction", "start_reduction"):
+            _positive(name, getattr(self, name))
+            if getattr(self, name) < 1:
+                raise AdaptError(f"{name}={getattr(self, name)!r} is invalid: a reduction must be >= 1")
+        if not self.min_reduction <= self.start_reduction <= self.max_reduction:
+            raise AdaptError(f"start_reduction={self.start_reduction} is invalid: it must lie in "
+                             f"[min_reduction={self.min_reduction}, max_reduction={self.max_reduction}]")
+
+
+class AutoStrength:
+    """An upload spec with one ``param=auto``, resolved each round to a concrete spec.
+
+    The :class:`StrengthController` keeps a per-client payload budget; :func:`fedcomp.budget.fit_budget`
+    turns it into the codec's free parameter (the same knobs and search a link budget uses), so
+    ``topk(ratio=auto)+qsgd(bits=4)``, ``kbit(bits=auto)``, ``powersgd(rank=auto)`` and
+    ``sketch(cols=auto)`` all work. Sizes that depend on the data (Rice-coded indices) are
+    measured on a seeded Gaussian update of the model's layout: the real messages differ by a few
+    percent, and what clients send is counted from the real replies anyway.
+
+    Each round: :meth:`spec` gives the codec for the round; after the server evaluates the new
+    model, :meth:`observe` feeds its accuracy (or minus its loss) to the controller. ``history``
+    holds per round the spec, the knob's value, the budget, the signal and the decision.
+    """
+
+    def __init__(self, spec: str, layout, settings: AdaptSettings | None = None, *, seed: int = 0) -> None:
+        from fedcomp import budget
+        from fedcomp.codec import Codec
+        from fedcomp.spec import Stage, parse_spec
+
+        self.settings = settings = settings or AdaptSettings()
+        stages = parse_spec(spec)
+        autos = [(i, k) for i, st in enumerate(stages) for k, v in st.args if v == AUTO]
+        if len(autos) != 1:
+            raise AdaptError(f"upload {spec!r} is invalid for adaptive strength: exactly one parameter must be "
+                             f"'{AUTO}' (e.g. 'topk(ratio=auto)+qsgd(bits=4)'), found {len(autos)}")
+        (at, param), = autos
+        stages[at] = Stage(stages[at].name, tuple((k, v) for k, v in stages[at].args if k != param))
+        self.template = budget._spec(stages, {})  # the spec without the auto parameter (its default stands in)
+        self.param, self.stage = param, at
+        plan = budget._plan(budget._stages(self.template), layout)
+        moved = {(plan.fine_stage, plan.fine_key)} | {(i, p) for g in plan.coarse for c in g for i, o in c.items() for p in o}
+        if (at, param) not in moved:
+            names = sorted(f"{stages[i].name}.{p}" for i, p in moved if p is not None)
+            raise AdaptError(f"{stages[at].name}({param}={AUTO}) is invalid: the controller moves "
+                             f"{', '.join(names) or 'nothing'} of {self.template!r}; write '{AUTO}' there")
+        self.layout = layout
+        self._probe = _probe_update(layout, seed)
+        dense = Codec("none()").size_bytes(layout)
+        lo, hi = budget.limits(self.template, layout, measure=self._measure)
+        clamp = lambda b: int(min(max(b, lo), hi))  # noqa: E731
+        self.dense_bytes = dense
+        self.controller = StrengthController(
+            lowest=clamp(dense / settings.max_reduction), highest=clamp(dense / settings.min_reduction),
+            start=clamp(dense / settings.start_reduction), tighten=settings.tighten, relax=settings.relax,
+            tolerance=settings.tolerance, window=settings.window, cooldown=settings.cooldown)
+        self._fits: dict[int, str] = {}
+        self.history: list[dict] = []
+
+    def _measure(self, codec) -> int:
+        from fedcomp.feedback import compress
+
+        enc, _ = compress(codec, self._probe, None, nonce=1, error_feedback=False, round=1, state={})
+        return len(enc.payload)
+
+    def spec(self, round: int) -> str:
+        """The concrete spec for round ``round`` (recorded in ``history``)."""
+        from fedcomp import budget
+
+        b = self.controller.current()
+        if b not in self._fits:
+            self._fits[b] = budget.fit_budget(self.template, self.layout, b, measure=self._measure).spec
+        spec = self._fits[b]
+        if not self.history or self.history[-1]["round"] != round:
+            from fedcomp.spec import parse_spec
+
+            value = dict(parse_spec(spec)[self.stage].args).get(self.param)
+            self.history.append({"round": round, "spec": spec, self.param: value, "budget": b})
+        return spec
+
+    def observe(self, round: int, metrics) -> None:
+        """Round ``round``'s evaluation metrics (``accuracy``, else ``loss``); moves the next round's budget."""
+        signal = _signal(metrics) if not isinstance(metrics, (int, float)) else float(metrics)
+        if signal is None:
+            raise AdaptError(f"round {round}: the evaluation reported {sorted(metrics)}, but adaptive strength "
+                             f"needs 'accuracy' or 'loss'")
+        self.controller.update(round, signal)
+        entry = next((h for h in reversed(self.history) if h["round"] == round), None)
+        if entry is not None:
+            entry.update(signal=float(signal), decision=self.controller.history[-1]["decision"])
+
+
+def _probe_update(layout, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {t.name: (torch.randn(t.shape, generator=g) * 1e-2).to(t.torch_dtype) if t.is_float else torch.zeros(t.shape, dtype=t.torch_dtype)
+            for t in layout.tensors}
