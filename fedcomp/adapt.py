@@ -191,8 +191,19 @@ def is_auto(spec: str) -> bool:
     return any(v == AUTO for st in parse_spec(spec) for _, v in st.args)
 
 
-def _signal(metrics) -> float | None:
-    """The controller's signal from an evaluation's metrics: ``accuracy`` (or ``acc``), else minus ``loss``."""
+def without_auto(spec: str) -> str:
+    """``spec`` with its ``auto`` parameter dropped (the stage's default stands in): a valid spec of
+    the same family, e.g. for a strategy that must be built before the first round's strength is known."""
+    from fedcomp import budget
+    from fedcomp.spec import Stage, parse_spec
+
+    stages = [Stage(st.name, tuple((k, v) for k, v in st.args if v != AUTO)) for st in parse_spec(spec)]
+    return budget._spec(stages, {})
+
+
+def signal_of(metrics) -> float | None:
+    """The controller's signal from an evaluation's metrics: ``accuracy`` (or ``acc``), else minus ``loss``;
+    None when it has neither."""
     for key in ("accuracy", "acc"):
         if key in metrics:
             return float(metrics[key])
@@ -303,7 +314,7 @@ class AutoStrength:
 
     def observe(self, round: int, metrics) -> None:
         """Round ``round``'s evaluation metrics (``accuracy``, else ``loss``); moves the next round's budget."""
-        signal = _signal(metrics) if not isinstance(metrics, (int, float)) else float(metrics)
+        signal = signal_of(metrics) if not isinstance(metrics, (int, float)) else float(metrics)
         if signal is None:
             raise AdaptError(f"round {round}: the evaluation reported {sorted(metrics)}, but adaptive strength "
                              f"needs 'accuracy' or 'loss'")
