@@ -23,9 +23,10 @@ at exponentially growing intervals. The budget changes at most once per window, 
 waits after every relax (hysteresis), so noise makes the budget hold rather than oscillate.
 
 Measured links (:class:`LinkEstimator`): per node and direction, the last `window` transfers
-(bytes, seconds) are fitted to ``seconds = latency + bytes * 8 / (kbps * 1000)`` by least squares
-when their sizes differ enough to tell latency from bandwidth, else with the latency estimated
-so far (or 0).
+(bytes, seconds) are fitted to ``seconds = latency + bytes * 8 / (kbps * 1000)``: the latency by
+least squares whenever their sizes differ enough to tell it from bandwidth (kept until the next
+such fit), the bandwidth from the kept transfers' total bytes over their total time after
+latency. :class:`MeasuredBudgets` turns the estimates into upload byte budgets.
 """
 
 from __future__ import annotations
@@ -144,9 +145,10 @@ class StrengthController:
 class LinkEstimator:
     """Per node and direction ('up' or 'down'): kbps and latency fitted to observed transfers."""
 
-    window: int = 8  # transfers kept per node and direction
+    window: int = 16  # transfers kept per node and direction (longer: less noise, slower to follow a change)
     spread: float = 1.5  # largest/smallest size ratio above which latency is fitted, not assumed
     _seen: dict[tuple[int, str], deque] = field(init=False, default_factory=dict)
+    _latency: dict[tuple[int, str], float] = field(init=False, default_factory=dict)  # the last fitted latency
 
     def observe(self, node: int, direction: str, nbytes: int, seconds: float) -> None:
         """Record one transfer of ``nbytes`` that took ``seconds``."""
@@ -155,26 +157,51 @@ class LinkEstimator:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
             raise AdaptError(f"nbytes={nbytes!r} is invalid: it must be a positive integer")
         _positive("seconds", seconds)
-        self._seen.setdefault((int(node), direction), deque(maxlen=self.window)).append((nbytes, float(seconds)))
+        key = (int(node), direction)
+        self._seen.setdefault(key, deque(maxlen=self.window)).append((nbytes, float(seconds)))
+        fitted = self._fit(self._seen[key])
+        if fitted is not None:
+            self._latency[key] = fitted
+
+    def _fit(self, seen) -> float | None:
+        """Least-squares latency (intercept) of seconds on bytes, when the sizes differ enough."""
+        sizes = [b for b, _ in seen]
+        if len(seen) < 3 or max(sizes) < self.spread * min(sizes):
+            return None
+        n = len(seen)
+        mx = sum(sizes) / n
+        my = sum(s for _, s in seen) / n
+        sxx = sum((b - mx) ** 2 for b in sizes)
+        slope = sum((b - mx) * (s - my) for b, s in seen) / sxx
+        if slope <= 0:
+            return None
+        return max(0.0, my - slope * mx)
+
+    def uncertainty(self, node: int, direction: str) -> float | None:
+        """Relative standard error of a time predicted from the estimate: the standard deviation of
+        the kept transfers' relative residuals over sqrt(their count) (None below 3 transfers)."""
+        key = (int(node), direction)
+        seen = self._seen.get(key)
+        est = self.estimate(node, direction)
+        if est is None or len(seen) < 3:
+            return None
+        kbps, latency = est
+        rel = [s / (latency + b * 8 / (kbps * 1000)) - 1 for b, s in seen]
+        mean = sum(rel) / len(rel)
+        sd = math.sqrt(sum((r - mean) ** 2 for r in rel) / (len(rel) - 1))
+        return sd / math.sqrt(len(rel))
 
     def estimate(self, node: int, direction: str) -> tuple[float, float] | None:
-        """(kbps, latency seconds), or None before any transfer was seen."""
-        seen = self._seen.get((int(node), direction))
+        """(kbps, latency seconds), or None before any transfer was seen. Latency: the last fit
+        (0 before one: the bandwidth is then a lower bound, so a budget from it errs short)."""
+        key = (int(node), direction)
+        seen = self._seen.get(key)
         if not seen:
             return None
-        sizes = [b for b, _ in seen]
-        latency = 0.0
-        if len(seen) >= 3 and max(sizes) >= self.spread * min(sizes):
-            n = len(seen)
-            mx = sum(sizes) / n
-            my = sum(s for _, s in seen) / n
-            sxx = sum((b - mx) ** 2 for b in sizes)
-            slope = sum((b - mx) * (s - my) for b, s in seen) / sxx
-            if slope > 0:
-                latency = max(0.0, my - slope * mx)
+        latency = min(self._latency.get(key, 0.0), min(s for _, s in seen))
         # bandwidth from the time left after latency, over all kept transfers (a sum, not a mean of ratios)
         busy = sum(max(s - latency, 1e-9) for _, s in seen)
-        return sum(sizes) * 8 / busy / 1000, latency
+        return sum(b for b, _ in seen) * 8 / busy / 1000, latency
 
 
 # -- `auto` strength in an upload spec -------------------------------------------------------------
@@ -330,3 +357,79 @@ def _probe_update(layout, seed: int):
     g = torch.Generator().manual_seed(seed)
     return {t.name: (torch.randn(t.shape, generator=g) * 1e-2).to(t.torch_dtype) if t.is_float else torch.zeros(t.shape, dtype=t.torch_dtype)
             for t in layout.tensors}
+
+
+# -- budgets from measured links ------------------------------------------------------------------------
+@dataclass
+class MeasuredBudgets:
+    """Per-node upload byte budgets from links measured by a :class:`LinkEstimator`, not declared.
+
+    The budget is :func:`fedcomp.links.upload_budget`'s (what the uplink carries in the time the
+    deadline leaves after download, compute and latency) on the *estimated* link, with both
+    predicted transfer times lengthened by ``z`` standard errors of the estimate
+    (:meth:`LinkEstimator.uncertainty`; ``prior`` until three transfers are seen): measurement
+    noise must not push an upload past the deadline, and a precise estimate costs little margin. Until a node has
+    a latency fit, its uploads grow by slow start (as TCP's): the first is ``first`` bytes, each
+    next at most ``growth`` times the largest seen so far; sizes that differ let the estimator tell
+    latency from bandwidth (before that, latency counts as 0 and the bandwidth estimate is a lower
+    bound: budgets err short, never past the deadline).
+
+    ``history`` holds per node and round: the estimate (kbps, latency), the budget, and -- where the
+    caller passes the budget a declared link would give -- its relative error.
+    """
+
+    deadline_s: float  # the round deadline the budgets must meet
+    z: float = 1.0  # standard errors of the predicted times kept free
+    prior: float = 0.1  # relative uncertainty of a time predicted from fewer than 3 transfers
+    growth: float = 4.0  # slow start: next upload <= growth x the largest seen, until latency is fitted
+    first: int = 4096  # bytes of a node's first upload (nothing measured yet)
+    estimator: LinkEstimator = field(default_factory=LinkEstimator)
+    history: list[dict] = field(init=False, default_factory=list)
+    _largest: dict[int, int] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _positive("deadline_s", self.deadline_s)
+        for name in ("z", "prior"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise AdaptError(f"{name}={v!r} is invalid: a finite number >= 0")
+        _positive("growth", self.growth, above_one=True)
+        if isinstance(self.first, bool) or not isinstance(self.first, int) or self.first < 1:
+            raise AdaptError(f"first={self.first!r} is invalid: a positive number of bytes")
+
+    def observe(self, node: int, *, up_bytes: int, up_s: float, down_bytes: int | None = None,
+                down_s: float | None = None) -> None:
+        """One round's transfers of ``node`` as the server saw them (bytes and seconds each way)."""
+        self.estimator.observe(node, "up", up_bytes, up_s)
+        if down_bytes is not None and down_s is not None:
+            self.estimator.observe(node, "down", down_bytes, down_s)
+        self._largest[node] = max(self._largest.get(node, 0), int(up_bytes))
+
+    def budget(self, node: int, round: int, *, download_bytes: int, compute_s: float,
+               declared: int | None = None) -> int:
+        """Bytes ``node`` may upload in round ``round`` (recorded in ``history``)."""
+        up = self.estimator.estimate(node, "up")
+        down = self.estimator.estimate(node, "down")
+        entry = {"node": int(node), "round": int(round), "up_kbps": None, "up_latency_s": None}
+        if up is None:
+            budget = self.first
+        else:
+            kbps, latency = up
+            def slack(direction: str) -> float:
+                u = self.estimator.uncertainty(node, direction)
+                return 1 + self.z * (self.prior if u is None else u)
+
+            down_s = 0.0
+            if down is not None:
+                down_s = (download_bytes * 8 / (down[0] * 1000) + down[1]) * slack("down")
+            left = self.deadline_s - down_s - compute_s - latency * slack("up")
+            budget = max(1, math.floor(left / slack("up") * kbps * 1000 / 8))
+            if (node, "up") not in self.estimator._latency:  # no latency fit yet: grow to get one
+                budget = min(budget, math.floor(self.growth * self._largest.get(node, self.first)))
+            entry.update(up_kbps=kbps, up_latency_s=latency)
+        entry["budget"] = budget
+        if declared is not None:
+            entry["declared"] = declared
+            entry["error"] = budget / declared - 1 if declared else None
+        self.history.append(entry)
+        return budget

@@ -174,3 +174,47 @@ def test_bad_adapt_settings_are_refused():
         AdaptSettings(min_reduction=10, max_reduction=100, start_reduction=1000)
     with pytest.raises(AdaptError, match="reduction"):
         AdaptSettings(min_reduction=0.5)
+
+
+# -- measured links -----------------------------------------------------------------------------------
+from fedcomp import links  # noqa: E402
+from fedcomp.adapt import MeasuredBudgets  # noqa: E402
+
+
+def test_latency_fit_is_kept_when_sizes_stop_differing():
+    est = LinkEstimator(window=4)
+    kbps, latency = 200.0, 0.3
+    for nbytes in (4_000, 16_000, 64_000, 50_000, 50_000, 50_000, 50_000):  # the last window has no spread
+        est.observe(1, "up", nbytes, latency + nbytes * 8 / (kbps * 1000))
+    got_kbps, got_latency = est.estimate(1, "up")
+    assert got_latency == pytest.approx(latency, rel=1e-6) and got_kbps == pytest.approx(kbps, rel=1e-6)
+    assert est.uncertainty(1, "up") == pytest.approx(0, abs=1e-9)
+    assert est.uncertainty(1, "down") is None
+
+
+def test_measured_budgets_converge_to_the_declared_links_and_meet_the_deadline():
+    deadline, down_bytes, compute = 12.0, 937_000, 1.0
+    hidden = {n: links.with_deadline(links.PRESETS[p], deadline) for n, p in enumerate(("3g-edge", "4g"))}
+    mb = MeasuredBudgets(deadline)
+    rng = random.Random(1)
+    for rnd in range(1, 9):
+        for node, link in hidden.items():
+            largest = 937_000  # the dense reply: no budget above it is used
+            declared = min(largest, links.upload_budget(link, down_bytes, compute))
+            budget = min(largest, mb.budget(node, rnd, download_bytes=down_bytes, compute_s=compute, declared=declared))
+            mb.history[-1].update(budget=budget, error=budget / declared - 1)
+            assert link.download_s(down_bytes) + compute + link.upload_s(budget) <= deadline  # never late
+            noise = lambda: 1 + 0.02 * rng.gauss(0, 1)  # noqa: E731  measuring a transfer's time
+            mb.observe(node, up_bytes=budget, up_s=link.upload_s(budget) * noise(),
+                       down_bytes=down_bytes, down_s=link.download_s(down_bytes) * noise())
+    first = [h for h in mb.history if h["round"] == 1]
+    assert all(h["budget"] == 4096 for h in first)  # nothing measured yet: the first probe
+    assert [h["budget"] for h in mb.history if h["node"] == 0][1] <= 4 * 4096  # slow start
+    late = [h for h in mb.history if h["round"] >= 5]
+    assert all(abs(h["error"]) <= 0.10 for h in late), [(h["node"], h["round"], h["error"]) for h in late]
+
+
+@pytest.mark.parametrize("kw", [dict(deadline_s=0), dict(z=-1), dict(growth=1.0), dict(first=0), dict(prior=float("inf"))])
+def test_bad_measured_budget_settings_are_refused(kw):
+    with pytest.raises(AdaptError):
+        MeasuredBudgets(**{"deadline_s": 10.0, **kw})
