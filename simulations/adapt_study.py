@@ -123,7 +123,7 @@ def main(argv=None) -> None:
     ap.add_argument("--models", nargs="+", default=["mlp", "mlp-large"])
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--clients", type=int, default=10)
-    ap.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
+    ap.add_argument("--ratios", nargs="*", type=float, default=list(RATIOS), help="fixed ratios of the family (none: only dense and auto)")
     ap.add_argument("--out", default="simulations/figures/adapt")
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     args = ap.parse_args(argv)
@@ -135,10 +135,17 @@ def main(argv=None) -> None:
                  (model, FAMILY.format("auto"), True, args.rounds, args.clients)]
         work += [(model, FAMILY.format(r), True, args.rounds, args.clients) for r in args.ratios]
     by_model: dict[str, list[dict]] = {m: [] for m in args.models}
-    with mp.get_context("spawn").Pool(args.jobs) as pool:
-        for model, r in pool.imap_unordered(_run, work):
-            by_model[model].append(r)
-            print(f"{model:9s} {r['upload']:32s} acc {r['rounds'][-1]['accuracy']:.4f} ({r['seconds']:.0f} s)", flush=True)
+    def done(model: str, r: dict) -> None:
+        by_model[model].append(r)
+        print(f"{model:9s} {r['upload']:32s} acc {r['rounds'][-1]['accuracy']:.4f} ({r['seconds']:.0f} s)", flush=True)
+
+    if args.jobs > 1:
+        with mp.get_context("spawn").Pool(args.jobs) as pool:
+            for model, r in pool.imap_unordered(_run, work):
+                done(model, r)
+    else:
+        for w in work:
+            done(*_run(w))
     command = "python -m fedcomp.simulations.adapt_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     results = {"command": command.strip(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "rounds": args.rounds, "clients": args.clients, "models": {}}
