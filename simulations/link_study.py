@@ -97,7 +97,7 @@ def main(argv=None) -> None:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     with open(out / "links.json", "w") as f:
         json.dump({"command": command.strip(), "date": date, "args": vars(args),
-                   "runs": [{"jitter": j, "summary": summaries[j], **runs[j]} for j in args.jitter]}, f, indent=1)
+                   "runs": [{"jitter": j, "summary": summaries[j], **runs[j]} for j in args.jitter]}, f)
     import matplotlib
 
     matplotlib.use("Agg")
