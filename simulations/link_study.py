@@ -56,8 +56,9 @@ def simulate(clients: int, rounds: int, deadline_s: float, download_bytes: int, 
             on_time = down_s + compute_s + up_s <= deadline_s
             noise_up, noise_down = (max(0.5, 1 + jitter * rng.gauss(0, 1)) for _ in range(2))  # measuring them
             mb.observe(n, up_bytes=sent, up_s=up_s * noise_up, down_bytes=download_bytes, down_s=down_s * noise_down)
-            rows.append({**mb.history[-1], "preset": links.mixed_preset(n, seed), "sent": sent, "on_time": on_time,
-                         "total_s": down_s + compute_s + up_s})
+            row = {**mb.history[-1], "preset": links.mixed_preset(n, seed), "sent": sent, "on_time": on_time,
+                   "total_s": down_s + compute_s + up_s}
+            rows.append({k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in row.items()})
     return {"rows": rows, "links": {n: true[n].describe() for n in true}}
 
 
