@@ -1,9 +1,15 @@
 """Closed-loop compression: a per-client byte budget driven by the training signal, and link
 estimates measured from transfers instead of declared.
 
-Both produce *byte budgets*, the input of :func:`fedcomp.budget.fit_update`, which moves the
-codec's free parameter (top-k ratio, bits, rank, sketch columns) to fit; so they compose with
-declared links (the smaller budget wins), download tiers and every budgetable codec.
+Both produce *byte budgets*, the input of :func:`fedcomp.budget.fit_budget`/``fit_update``, which
+move the codec's free parameter (top-k ratio, bits, rank, sketch columns: the stage's declared
+``budget_knobs``) to fit; so every budgetable codec works, and nothing here names a codec.
+
+Written in a spec as ``topk(ratio=auto)+qsgd(bits=4)`` (:class:`AutoStrength`): the server turns
+each round's budget into a concrete spec (``topk(ratio=0.0011,...)+qsgd(bits=4,...)``), which the
+clients receive as their upload spec (:mod:`fedcomp.strategies.adaptive` for Flower,
+:mod:`fedcomp.simulations.sweep` in-process). Bounds and start are reductions against the dense
+model (:class:`AdaptSettings`: 30x to 3000x, start at 3000x), the same for every task.
 
 Accuracy-driven (:class:`StrengthController`): the signal is the server-side evaluation after
 each round (accuracy, or minus the loss). It is averaged over windows of `window` rounds (a
