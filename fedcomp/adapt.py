@@ -70,6 +70,7 @@ class StrengthController:
     tolerance: float = 0.005  # change of the window mean that counts (accuracy: half a point)
     window: int = 5  # rounds per decision; the signal is averaged over a window (test-set noise)
     cooldown: int = 1  # windows after a relax in which the budget is not tightened
+    revert: bool = True  # undo a stall relax that bought nothing (False: keep it; probes still back off)
     budget: float = field(init=False)
     history: list[dict] = field(init=False, default_factory=list)  # per round: signal, decision, budget
     _signals: list[float] = field(init=False, default_factory=list)  # this window's
@@ -127,7 +128,7 @@ class StrengthController:
         if probing is not None and gain >= -self.tolerance:
             # a relax on a stall that bought nothing: back to the budget before it, probe half as often
             self._backoff, self._waited = 2 * self._backoff, 0
-            return self._move("revert", probing)
+            return self._move("revert", probing) if self.revert else "hold"
         self._waited += 1
         if gain >= -self.tolerance and self._waited < self._backoff:
             return "hold"  # stalled, but the last probe on a stall did not help: wait longer
@@ -264,6 +265,7 @@ class AdaptSettings:
     tolerance: float = 0.005  # StrengthController.tolerance (accuracy: half a point)
     window: int = 5  # StrengthController.window
     cooldown: int = 1  # StrengthController.cooldown
+    revert: bool = True  # StrengthController.revert
 
     def __post_init__(self) -> None:
         for name in ("min_reduction", "max_reduction", "start_reduction"):
@@ -320,7 +322,8 @@ class AutoStrength:
         self.controller = StrengthController(
             lowest=clamp(dense / settings.max_reduction), highest=clamp(dense / settings.min_reduction),
             start=clamp(dense / settings.start_reduction), tighten=settings.tighten, relax=settings.relax,
-            tolerance=settings.tolerance, window=settings.window, cooldown=settings.cooldown)
+            tolerance=settings.tolerance, window=settings.window, cooldown=settings.cooldown,
+            revert=settings.revert)
         self._fits: dict[int, str] = {}
         self.history: list[dict] = []
 

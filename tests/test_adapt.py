@@ -53,6 +53,16 @@ def test_a_stall_probes_reverts_when_it_bought_nothing_and_backs_off():
     assert max(b for _, b in decisions) == 800  # a converged run never drifts to the weakest compression
 
 
+def test_without_revert_a_stall_relax_is_kept_and_probes_still_back_off():
+    c = _controller(start=500, revert=False)
+    moves = []
+    for r in range(1, 31):
+        c.update(r, 0.9)
+        if c.history[-1]["decision"] != "hold":
+            moves.append((r, c.history[-1]["decision"], c.current()))
+    assert moves == [(4, "relax", 800), (10, "relax", 1280), (20, "relax", 2048)]
+
+
 def test_a_probe_that_helps_is_kept():
     c = _controller(start=500)
     _feed(c, [0.8, 0.8, 0.8, 0.8])  # stalled: probe
