@@ -1,12 +1,15 @@
-"""Closed-loop compression: the strength controller's policy and the link estimator's fit."""
+"""Closed-loop compression: the strength controller's policy, `auto` specs, the link estimator and measured budgets."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
-from fedcomp.adapt import AdaptError, LinkEstimator, StrengthController
+from fedcomp import links
+from fedcomp.adapt import AdaptError, AdaptSettings, AutoStrength, LinkEstimator, MeasuredBudgets, StrengthController, is_auto
+from fedcomp.layout import Layout
 
 
 def _controller(**kw) -> StrengthController:
@@ -127,10 +130,7 @@ def test_bad_observations_are_refused(args):
 
 
 # -- `auto` in an upload spec ------------------------------------------------------------------------
-import torch  # noqa: E402
 
-from fedcomp.adapt import AdaptSettings, AutoStrength, is_auto  # noqa: E402
-from fedcomp.layout import Layout  # noqa: E402
 
 _LAYOUT = Layout.of({"w": torch.zeros(64, 128), "b": torch.zeros(128), "steps": torch.zeros((), dtype=torch.int64)})
 
@@ -187,8 +187,6 @@ def test_bad_adapt_settings_are_refused():
 
 
 # -- measured links -----------------------------------------------------------------------------------
-from fedcomp import links  # noqa: E402
-from fedcomp.adapt import MeasuredBudgets  # noqa: E402
 
 
 def test_latency_fit_is_kept_when_sizes_stop_differing():
