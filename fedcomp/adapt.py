@@ -1,26 +1,38 @@
 """Closed-loop compression: a per-client byte budget driven by the training signal, and link
 estimates measured from transfers instead of declared.
 
-Both produce *byte budgets*, the input of :func:`fedcomp.budget.fit_update`, which moves the
-codec's free parameter (top-k ratio, bits, rank, sketch columns) to fit; so they compose with
-declared links (the smaller budget wins), download tiers and every budgetable codec.
+Both produce *byte budgets*, the input of :func:`fedcomp.budget.fit_budget`/``fit_update``, which
+move the codec's free parameter (top-k ratio, bits, rank, sketch columns: the stage's declared
+``budget_knobs``) to fit; so every budgetable codec works, and nothing here names a codec.
 
-Accuracy-driven (:class:`StrengthController`), once per round after the server evaluates::
+Written in a spec as ``topk(ratio=auto)+qsgd(bits=4)`` (:class:`AutoStrength`): the server turns
+each round's budget into a concrete spec (``topk(ratio=0.0011,...)+qsgd(bits=4,...)``), which the
+clients receive as their upload spec (:mod:`fedcomp.strategies.adaptive` for Flower,
+:mod:`fedcomp.simulations.sweep` in-process). Bounds and start are reductions against the dense
+model (:class:`AdaptSettings`: 30x to 3000x, start at 3000x), the same for every task.
 
-    signal s_t (server-side accuracy, or minus the loss), best = max of earlier signals
-    s_t > best + tolerance          on track: after `patience` such rounds, budget *= tighten
-    s_t < best - tolerance          degrading: budget *= relax, then `cooldown` rounds without tightening
-    otherwise (within tolerance)    stalled: after `patience` such rounds, budget *= relax
+Accuracy-driven (:class:`StrengthController`): the signal is the server-side evaluation after
+each round (accuracy, or minus the loss). It is averaged over windows of `window` rounds (a
+single round's test accuracy is too noisy to act on); at the end of each window, with ``gain`` =
+this window's mean minus the previous window's::
+
+    gain > tolerance        on track: budget *= tighten (not within `cooldown` windows of a relax)
+    gain < -tolerance       degrading: budget *= relax
+    otherwise               stalled: budget *= relax -- a probe: does less compression help?
+      the window after a probe, still no gain: revert to the budget before the probe, and wait
+      twice as many stalled windows before the next probe (1, 2, 4, ...; reset by progress)
     budget clamped to [lowest, highest]
 
-Tightening needs repeated progress and is blocked after every relax (hysteresis), so a noisy
-signal makes the budget hold rather than oscillate. Relaxing on a stall costs bytes only when
-training has settled below what less compression would reach; at `highest` it stops.
+So compression tightens while training progresses, and is bought back only when progress stops;
+a plateau that less compression does not lift (training has converged) costs one probe window
+at exponentially growing intervals. The budget changes at most once per window, and tightening
+waits after every relax (hysteresis), so noise makes the budget hold rather than oscillate.
 
 Measured links (:class:`LinkEstimator`): per node and direction, the last `window` transfers
-(bytes, seconds) are fitted to ``seconds = latency + bytes * 8 / (kbps * 1000)`` by least squares
-when their sizes differ enough to tell latency from bandwidth, else with the latency estimated
-so far (or 0).
+(bytes, seconds) are fitted to ``seconds = latency + bytes * 8 / (kbps * 1000)``: the latency by
+least squares whenever their sizes differ enough to tell it from bandwidth (kept until the next
+such fit), the bandwidth from the kept transfers' total bytes over their total time after
+latency. :class:`MeasuredBudgets` turns the estimates into upload byte budgets.
 """
 
 from __future__ import annotations
@@ -53,16 +65,19 @@ class StrengthController:
     lowest: int  # smallest budget, bytes (the strongest compression allowed)
     highest: int  # largest budget, bytes (the weakest compression allowed)
     start: int  # first round's budget, bytes
-    tighten: float = 0.7  # budget factor after `patience` on-track rounds (< 1)
-    relax: float = 1.6  # budget factor when the signal drops or stalls (> 1)
-    tolerance: float = 0.005  # signal change that counts (accuracy: half a point)
-    patience: int = 2  # rounds of progress before tightening, of stall before relaxing
-    cooldown: int = 3  # rounds after a relax in which the budget is not tightened
+    tighten: float = 0.7  # budget factor when a window made progress (< 1)
+    relax: float = 1.6  # budget factor when a window stalled or dropped (> 1)
+    tolerance: float = 0.005  # change of the window mean that counts (accuracy: half a point)
+    window: int = 5  # rounds per decision; the signal is averaged over a window (test-set noise)
+    cooldown: int = 1  # windows after a relax in which the budget is not tightened
+    revert: bool = True  # undo a stall relax that bought nothing (False: keep it; probes still back off)
     budget: float = field(init=False)
-    best: float = field(init=False, default=-math.inf)
     history: list[dict] = field(init=False, default_factory=list)  # per round: signal, decision, budget
-    _progress: int = field(init=False, default=0)
-    _stalled: int = field(init=False, default=0)
+    _signals: list[float] = field(init=False, default_factory=list)  # this window's
+    _last_mean: float | None = field(init=False, default=None)  # the previous window's mean
+    _probe_from: float | None = field(init=False, default=None)  # budget before a stall relax (to revert to)
+    _backoff: int = field(init=False, default=1)  # stalled windows before the next stall relax
+    _waited: int = field(init=False, default=0)
     _quiet: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -76,10 +91,10 @@ class StrengthController:
         _positive("relax", self.relax, above_one=True)
         if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) or not 0 <= self.tolerance < math.inf:
             raise AdaptError(f"tolerance={self.tolerance!r} is invalid: tolerance must be a finite number >= 0")
-        for name in ("patience", "cooldown"):
+        for name, least in (("window", 1), ("cooldown", 0)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "patience" else 0):
-                raise AdaptError(f"{name}={v!r} is invalid: {name} must be an integer >= {1 if name == 'patience' else 0}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise AdaptError(f"{name}={v!r} is invalid: {name} must be an integer >= {least}")
         self.budget = float(self.start)
 
     def current(self) -> int:
@@ -90,37 +105,57 @@ class StrengthController:
         """Take round ``round``'s signal (higher is better) and return the next round's budget."""
         if isinstance(signal, bool) or not isinstance(signal, (int, float)) or not math.isfinite(signal):
             raise AdaptError(f"signal={signal!r} for round {round} is invalid: it must be a finite number")
+        self._signals.append(float(signal))
         decision = "hold"
-        if signal > self.best + self.tolerance:
-            self._progress, self._stalled = self._progress + 1, 0
-            if self._progress >= self.patience and not self._quiet:
-                decision, self._progress = "tighten", 0
-        elif signal < self.best - self.tolerance:
-            decision, self._progress, self._stalled = "relax", 0, 0
-        else:
-            self._progress, self._stalled = 0, self._stalled + 1
-            if self._stalled >= self.patience:
-                decision, self._stalled = "relax", 0
-        self.best = max(self.best, signal)
-        self._quiet = max(0, self._quiet - 1)
-        if decision == "tighten":
-            self.budget = max(float(self.lowest), self.budget * self.tighten)
-        elif decision == "relax":
-            if self.budget >= self.highest:
-                decision = "hold"  # nothing left to relax
-            self.budget = min(float(self.highest), self.budget * self.relax)
-            self._quiet = self.cooldown
+        if len(self._signals) >= self.window:
+            decision = self._decide(sum(self._signals) / len(self._signals))
+            self._signals.clear()
         self.history.append({"round": round, "signal": float(signal), "decision": decision, "budget": self.current()})
         return self.current()
+
+    def _decide(self, mean: float) -> str:
+        last, self._last_mean = self._last_mean, mean
+        if last is None:
+            return "hold"  # the first window is the reference
+        gain = mean - last
+        probing, self._probe_from = self._probe_from, None
+        quiet, self._quiet = self._quiet, max(0, self._quiet - 1)
+        if gain > self.tolerance:  # on track
+            if quiet:
+                return "hold"
+            self._backoff, self._waited = 1, 0
+            return self._move("tighten", max(float(self.lowest), self.budget * self.tighten))
+        if probing is not None and gain >= -self.tolerance:
+            # a relax on a stall that bought nothing: back to the budget before it, probe half as often
+            self._backoff, self._waited = 2 * self._backoff, 0
+            return self._move("revert", probing) if self.revert else "hold"
+        self._waited += 1
+        if gain >= -self.tolerance and self._waited < self._backoff:
+            return "hold"  # stalled, but the last probe on a stall did not help: wait longer
+        self._waited = 0
+        before = self.budget
+        decision = self._move("relax", min(float(self.highest), self.budget * self.relax))
+        if decision == "relax":
+            self._quiet = self.cooldown
+            if gain >= -self.tolerance:
+                self._probe_from = before
+        return decision
+
+    def _move(self, decision: str, budget: float) -> str:
+        if int(budget) == self.current():
+            return "hold"  # at a bound
+        self.budget = budget
+        return decision
 
 
 @dataclass
 class LinkEstimator:
     """Per node and direction ('up' or 'down'): kbps and latency fitted to observed transfers."""
 
-    window: int = 8  # transfers kept per node and direction
+    window: int = 16  # transfers kept per node and direction (longer: less noise, slower to follow a change)
     spread: float = 1.5  # largest/smallest size ratio above which latency is fitted, not assumed
     _seen: dict[tuple[int, str], deque] = field(init=False, default_factory=dict)
+    _latency: dict[tuple[int, str], float] = field(init=False, default_factory=dict)  # the last fitted latency
 
     def observe(self, node: int, direction: str, nbytes: int, seconds: float) -> None:
         """Record one transfer of ``nbytes`` that took ``seconds``."""
@@ -129,23 +164,281 @@ class LinkEstimator:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
             raise AdaptError(f"nbytes={nbytes!r} is invalid: it must be a positive integer")
         _positive("seconds", seconds)
-        self._seen.setdefault((int(node), direction), deque(maxlen=self.window)).append((nbytes, float(seconds)))
+        key = (int(node), direction)
+        self._seen.setdefault(key, deque(maxlen=self.window)).append((nbytes, float(seconds)))
+        fitted = self._fit(self._seen[key])
+        if fitted is not None:
+            self._latency[key] = fitted
+
+    def _fit(self, seen) -> float | None:
+        """Least-squares latency (intercept) of seconds on bytes, when the sizes differ enough."""
+        sizes = [b for b, _ in seen]
+        if len(seen) < 3 or max(sizes) < self.spread * min(sizes):
+            return None
+        n = len(seen)
+        mx = sum(sizes) / n
+        my = sum(s for _, s in seen) / n
+        sxx = sum((b - mx) ** 2 for b in sizes)
+        slope = sum((b - mx) * (s - my) for b, s in seen) / sxx
+        if slope <= 0:
+            return None
+        return max(0.0, my - slope * mx)
+
+    def uncertainty(self, node: int, direction: str) -> float | None:
+        """Relative standard error of a time predicted from the estimate: the standard deviation of
+        the kept transfers' relative residuals over sqrt(their count) (None below 3 transfers)."""
+        key = (int(node), direction)
+        seen = self._seen.get(key)
+        est = self.estimate(node, direction)
+        if est is None or len(seen) < 3:
+            return None
+        kbps, latency = est
+        rel = [s / (latency + b * 8 / (kbps * 1000)) - 1 for b, s in seen]
+        mean = sum(rel) / len(rel)
+        sd = math.sqrt(sum((r - mean) ** 2 for r in rel) / (len(rel) - 1))
+        return sd / math.sqrt(len(rel))
 
     def estimate(self, node: int, direction: str) -> tuple[float, float] | None:
-        """(kbps, latency seconds), or None before any transfer was seen."""
-        seen = self._seen.get((int(node), direction))
+        """(kbps, latency seconds), or None before any transfer was seen. Latency: the last fit
+        (0 before one: the bandwidth is then a lower bound, so a budget from it errs short)."""
+        key = (int(node), direction)
+        seen = self._seen.get(key)
         if not seen:
             return None
-        sizes = [b for b, _ in seen]
-        latency = 0.0
-        if len(seen) >= 3 and max(sizes) >= self.spread * min(sizes):
-            n = len(seen)
-            mx = sum(sizes) / n
-            my = sum(s for _, s in seen) / n
-            sxx = sum((b - mx) ** 2 for b in sizes)
-            slope = sum((b - mx) * (s - my) for b, s in seen) / sxx
-            if slope > 0:
-                latency = max(0.0, my - slope * mx)
+        latency = min(self._latency.get(key, 0.0), min(s for _, s in seen))
         # bandwidth from the time left after latency, over all kept transfers (a sum, not a mean of ratios)
         busy = sum(max(s - latency, 1e-9) for _, s in seen)
-        return sum(sizes) * 8 / busy / 1000, latency
+        return sum(b for b, _ in seen) * 8 / busy / 1000, latency
+
+
+# -- `auto` strength in an upload spec -------------------------------------------------------------
+AUTO = "auto"  # the value that marks a codec parameter as set each round by the controller
+
+
+def is_auto(spec: str) -> bool:
+    """True when ``spec`` (a plain codec spec) has a parameter written as ``auto``."""
+    from fedcomp.policy import is_policy
+    from fedcomp.spec import parse_spec
+
+    if is_policy(spec):
+        return False
+    return any(v == AUTO for st in parse_spec(spec) for _, v in st.args)
+
+
+def without_auto(spec: str) -> str:
+    """``spec`` with its ``auto`` parameter dropped (the stage's default stands in): a valid spec of
+    the same family, e.g. for a strategy that must be built before the first round's strength is known."""
+    from fedcomp import budget
+    from fedcomp.spec import Stage, parse_spec
+
+    stages = [Stage(st.name, tuple((k, v) for k, v in st.args if v != AUTO)) for st in parse_spec(spec)]
+    return budget._spec(stages, {})
+
+
+def signal_of(metrics) -> float | None:
+    """The controller's signal from an evaluation's metrics: ``accuracy`` (or ``acc``), else minus ``loss``;
+    None when it has neither."""
+    for key in ("accuracy", "acc"):
+        if key in metrics:
+            return float(metrics[key])
+    if "loss" in metrics:
+        return -float(metrics["loss"])
+    return None
+
+
+@dataclass(frozen=True)
+class AdaptSettings:
+    """The controller's bounds as reductions against the dense payload, and its policy factors.
+
+    One set of defaults for every task and codec (no per-task tuning): bytes are relative to the
+    model's dense payload, so the same reductions mean the same thing on a 200k- and a 2M-parameter
+    model; the codec's own range clamps them.
+    """
+
+    min_reduction: float = 30.0  # highest budget = dense / this (the weakest compression allowed)
+    max_reduction: float = 3000.0  # lowest budget = dense / this (the strongest compression allowed)
+    start_reduction: float = 3000.0  # the first round's budget = dense / this: the strongest compression
+    # allowed (with error feedback early rounds progress under any compression; the controller relaxes
+    # when progress stops, so a start too strong costs a few windows, one too weak costs bytes every round)
+    tighten: float = 0.7  # StrengthController.tighten
+    relax: float = 1.6  # StrengthController.relax
+    tolerance: float = 0.005  # StrengthController.tolerance (accuracy: half a point)
+    window: int = 5  # StrengthController.window
+    cooldown: int = 1  # StrengthController.cooldown
+    revert: bool = True  # StrengthController.revert
+
+    def __post_init__(self) -> None:
+        for name in ("min_reduction", "max_reduction", "start_reduction"):
+            _positive(name, getattr(self, name))
+            if getattr(self, name) < 1:
+                raise AdaptError(f"{name}={getattr(self, name)!r} is invalid: a reduction must be >= 1")
+        if not self.min_reduction <= self.start_reduction <= self.max_reduction:
+            raise AdaptError(f"start_reduction={self.start_reduction} is invalid: it must lie in "
+                             f"[min_reduction={self.min_reduction}, max_reduction={self.max_reduction}]")
+
+
+class AutoStrength:
+    """An upload spec with one ``param=auto``, resolved each round to a concrete spec.
+
+    The :class:`StrengthController` keeps a per-client payload budget; :func:`fedcomp.budget.fit_budget`
+    turns it into the codec's free parameter (the same knobs and search a link budget uses), so
+    ``topk(ratio=auto)+qsgd(bits=4)``, ``kbit(bits=auto)``, ``powersgd(rank=auto)`` and
+    ``sketch(cols=auto)`` all work. Sizes that depend on the data (Rice-coded indices) are
+    measured on a seeded Gaussian update of the model's layout: the real messages differ by a few
+    percent, and what clients send is counted from the real replies anyway.
+
+    Each round: :meth:`spec` gives the codec for the round; after the server evaluates the new
+    model, :meth:`observe` feeds its accuracy (or minus its loss) to the controller. ``history``
+    holds per round the spec, the knob's value, the budget, the signal and the decision.
+    """
+
+    def __init__(self, spec: str, layout, settings: AdaptSettings | None = None, *, seed: int = 0) -> None:
+        from fedcomp import budget
+        from fedcomp.codec import Codec
+        from fedcomp.spec import Stage, parse_spec
+
+        self.settings = settings = settings or AdaptSettings()
+        stages = parse_spec(spec)
+        autos = [(i, k) for i, st in enumerate(stages) for k, v in st.args if v == AUTO]
+        if len(autos) != 1:
+            raise AdaptError(f"upload {spec!r} is invalid for adaptive strength: exactly one parameter must be "
+                             f"'{AUTO}' (e.g. 'topk(ratio=auto)+qsgd(bits=4)'), found {len(autos)}")
+        (at, param), = autos
+        stages[at] = Stage(stages[at].name, tuple((k, v) for k, v in stages[at].args if k != param))
+        self.template = budget._spec(stages, {})  # the spec without the auto parameter (its default stands in)
+        self.param, self.stage = param, at
+        plan = budget._plan(budget._stages(self.template), layout)
+        moved = {(plan.fine_stage, plan.fine_key)} | {(i, p) for g in plan.coarse for c in g for i, o in c.items() for p in o}
+        if (at, param) not in moved:
+            names = sorted(f"{stages[i].name}.{p}" for i, p in moved if p is not None)
+            raise AdaptError(f"{stages[at].name}({param}={AUTO}) is invalid: the controller moves "
+                             f"{', '.join(names) or 'nothing'} of {self.template!r}; write '{AUTO}' there")
+        self.layout = layout
+        self._probe = _probe_update(layout, seed)
+        dense = Codec("none()").size_bytes(layout)
+        lo, hi = budget.limits(self.template, layout, measure=self._measure)
+        clamp = lambda b: int(min(max(b, lo), hi))  # noqa: E731
+        self.dense_bytes = dense
+        self.controller = StrengthController(
+            lowest=clamp(dense / settings.max_reduction), highest=clamp(dense / settings.min_reduction),
+            start=clamp(dense / settings.start_reduction), tighten=settings.tighten, relax=settings.relax,
+            tolerance=settings.tolerance, window=settings.window, cooldown=settings.cooldown,
+            revert=settings.revert)
+        self._fits: dict[int, str] = {}
+        self.history: list[dict] = []
+
+    def _measure(self, codec) -> int:
+        from fedcomp.feedback import compress
+
+        enc, _ = compress(codec, self._probe, None, nonce=1, error_feedback=False, round=1, state={})
+        return len(enc.payload)
+
+    def spec(self, round: int) -> str:
+        """The concrete spec for round ``round`` (recorded in ``history``)."""
+        from fedcomp import budget
+
+        b = self.controller.current()
+        if b not in self._fits:
+            self._fits[b] = budget.fit_budget(self.template, self.layout, b, measure=self._measure).spec
+        spec = self._fits[b]
+        if not self.history or self.history[-1]["round"] != round:
+            from fedcomp.spec import parse_spec
+
+            value = dict(parse_spec(spec)[self.stage].args).get(self.param)
+            self.history.append({"round": round, "spec": spec, self.param: value, "budget": b})
+        return spec
+
+    def observe(self, round: int, metrics) -> None:
+        """Round ``round``'s evaluation metrics (``accuracy``, else ``loss``); moves the next round's budget."""
+        signal = signal_of(metrics) if not isinstance(metrics, (int, float)) else float(metrics)
+        if signal is None:
+            raise AdaptError(f"round {round}: the evaluation reported {sorted(metrics)}, but adaptive strength "
+                             f"needs 'accuracy' or 'loss'")
+        self.controller.update(round, signal)
+        entry = next((h for h in reversed(self.history) if h["round"] == round), None)
+        if entry is not None:
+            entry.update(signal=float(signal), decision=self.controller.history[-1]["decision"])
+
+
+def _probe_update(layout, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {t.name: (torch.randn(t.shape, generator=g) * 1e-2).to(t.torch_dtype) if t.is_float else torch.zeros(t.shape, dtype=t.torch_dtype)
+            for t in layout.tensors}
+
+
+# -- budgets from measured links ------------------------------------------------------------------------
+@dataclass
+class MeasuredBudgets:
+    """Per-node upload byte budgets from links measured by a :class:`LinkEstimator`, not declared.
+
+    The budget is :func:`fedcomp.links.upload_budget`'s (what the uplink carries in the time the
+    deadline leaves after download, compute and latency) on the *estimated* link, with both
+    predicted transfer times lengthened by ``z`` standard errors of the estimate
+    (:meth:`LinkEstimator.uncertainty`; ``prior`` until three transfers are seen): measurement
+    noise must not push an upload past the deadline, and a precise estimate costs little margin. Until a node has
+    a latency fit, its uploads grow by slow start (as TCP's): the first is ``first`` bytes, each
+    next at most ``growth`` times the largest seen so far; sizes that differ let the estimator tell
+    latency from bandwidth (before that, latency counts as 0 and the bandwidth estimate is a lower
+    bound: budgets err short, never past the deadline).
+
+    ``history`` holds per node and round: the estimate (kbps, latency), the budget, and -- where the
+    caller passes the budget a declared link would give -- its relative error.
+    """
+
+    deadline_s: float  # the round deadline the budgets must meet
+    z: float = 1.0  # standard errors of the predicted times kept free
+    prior: float = 0.1  # relative uncertainty of a time predicted from fewer than 3 transfers
+    growth: float = 4.0  # slow start: next upload <= growth x the largest seen, until latency is fitted
+    first: int = 4096  # bytes of a node's first upload (nothing measured yet)
+    estimator: LinkEstimator = field(default_factory=LinkEstimator)
+    history: list[dict] = field(init=False, default_factory=list)
+    _largest: dict[int, int] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _positive("deadline_s", self.deadline_s)
+        for name in ("z", "prior"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise AdaptError(f"{name}={v!r} is invalid: a finite number >= 0")
+        _positive("growth", self.growth, above_one=True)
+        if isinstance(self.first, bool) or not isinstance(self.first, int) or self.first < 1:
+            raise AdaptError(f"first={self.first!r} is invalid: a positive number of bytes")
+
+    def observe(self, node: int, *, up_bytes: int, up_s: float, down_bytes: int | None = None,
+                down_s: float | None = None) -> None:
+        """One round's transfers of ``node`` as the server saw them (bytes and seconds each way)."""
+        self.estimator.observe(node, "up", up_bytes, up_s)
+        if down_bytes is not None and down_s is not None:
+            self.estimator.observe(node, "down", down_bytes, down_s)
+        self._largest[node] = max(self._largest.get(node, 0), int(up_bytes))
+
+    def budget(self, node: int, round: int, *, download_bytes: int, compute_s: float,
+               declared: int | None = None) -> int:
+        """Bytes ``node`` may upload in round ``round`` (recorded in ``history``)."""
+        up = self.estimator.estimate(node, "up")
+        down = self.estimator.estimate(node, "down")
+        entry = {"node": int(node), "round": int(round), "up_kbps": None, "up_latency_s": None}
+        if up is None:
+            budget = self.first
+        else:
+            kbps, latency = up
+            def slack(direction: str) -> float:
+                u = self.estimator.uncertainty(node, direction)
+                return 1 + self.z * (self.prior if u is None else u)
+
+            down_s = 0.0
+            if down is not None:
+                down_s = (download_bytes * 8 / (down[0] * 1000) + down[1]) * slack("down")
+            left = self.deadline_s - down_s - compute_s - latency * slack("up")
+            budget = max(1, math.floor(left / slack("up") * kbps * 1000 / 8))
+            if (node, "up") not in self.estimator._latency:  # no latency fit yet: grow to get one
+                budget = min(budget, math.floor(self.growth * self._largest.get(node, self.first)))
+            entry.update(up_kbps=kbps, up_latency_s=latency)
+        entry["budget"] = budget
+        if declared is not None:
+            entry["declared"] = declared
+            entry["error"] = budget / declared - 1 if declared else None
+        self.history.append(entry)
+        return budget

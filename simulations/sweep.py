@@ -64,7 +64,13 @@ DEFAULTS = {"model": "mlp", "local-epochs": 1, "lr": 0.3, "batch-size": 32, "see
 
 
 def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dict | None = None) -> dict:
-    """One federated run; returns its config and per-round rows."""
+    """One federated run; returns its config and per-round rows.
+
+    A spec with one ``param=auto`` (``topk(ratio=auto)+qsgd(bits=4)``) is resolved each round by
+    :class:`fedcomp.adapt.AutoStrength` from the held-out accuracy after the previous round (what the
+    project's ServerApp evaluates centrally); each row then records the round's ``upload_spec``, the
+    knob's value (``strength``), the controller's ``budget`` and its ``decision``.
+    """
     from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
     import fedcomp
@@ -76,13 +82,18 @@ def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dic
     cfg = {**DEFAULTS, **(cfg or {})}
     torch.set_num_threads(1)
     seed = int(cfg["seed"])
-    codec = fedcomp.build_codec(spec)
+    from fedcomp.adapt import AdaptSettings, AutoStrength, is_auto
+
     model = task.build_model(cfg["model"], seed=seed)
     train_set, test_set = task.load_digits_split(seed=seed)
     x_test, y_test = test_set.tensors
     parts = [task.partition(train_set, clients, pid, float(cfg["partition-alpha"]), seed) for pid in range(clients)]
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     layout = fedcomp.Layout.of(global_state)
+    auto = AutoStrength(spec, layout, AdaptSettings(**cfg.get("adapt", {})), seed=seed) if is_auto(spec) else None
+    codec = fedcomp.build_codec(spec) if auto is None else None
+    if auto is not None:  # the ServerApp's evaluate_fn(0): the initial model's accuracy is the first signal
+        auto.observe(0, task.evaluate(model, x_test, y_test, device="cpu")[1])
     residuals: list[dict | None] = [None] * clients
     states: list[dict] = [{} for _ in range(clients)]
     rows = []
@@ -90,6 +101,9 @@ def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dic
     down_bytes = down_bytes_dense = None  # the broadcast's size does not change between rounds
     t_start = time.perf_counter()
     for rnd in range(1, rounds + 1):
+        if auto is not None:
+            codec = fedcomp.build_codec(auto.spec(rnd))
+            down_bytes = None  # the broadcast names the round's upload spec
         # the broadcast the wrapper sends with download='none()'
         down = fedcomp.build_codec("none()").encode(global_state, nonce=fedcomp.derive_nonce(seed, rnd, 0), round=rnd)
         ref_crc = zlib.crc32(down.payload)
@@ -131,6 +145,10 @@ def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dic
         rows.append({"round": rnd, "accuracy": accuracy, "loss": loss, "upload_bytes": up,
                      "upload_bytes_dense": up_dense, "download_bytes": clients * down_bytes,
                      "download_bytes_dense": clients * down_bytes_dense})
+        if auto is not None:
+            auto.observe(rnd, accuracy)
+            h = auto.history[-1]
+            rows[-1].update(upload_spec=h["spec"], strength=h[auto.param], budget=h["budget"], decision=h["decision"])
     return {"upload": spec, "error_feedback": error_feedback, "rounds": rows, "clients": clients, "config": cfg,
             "seconds": time.perf_counter() - t_start}
 
