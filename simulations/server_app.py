@@ -24,6 +24,8 @@ from fedcomp.broadcast import parse_thresholds, parse_tiers
 from fedcomp.budget import FALLBACKS
 from fedcomp import links
 from fedcomp.simulations import results, task
+from fedcomp.adapt import is_auto, without_auto
+from fedcomp.strategies.adaptive import AdaptiveStrategy
 from fedcomp.strategies.wrapper import CompressedStrategy
 
 app = ServerApp()
@@ -72,7 +74,10 @@ def validate_run_config(run_config) -> dict:
     _check(cfg, "download-tier-kbps", str, "'' or ascending kbps thresholds between tiers such as '1000,8000'", lambda v: True)
     _check(cfg, "download-max-stale", int, "an integer >= 0 (steps a client may miss before a full model; 0: no cap, "
            "chains are kept while cheaper than the full model)", lambda v: v >= 0)
-    for key, parse in (("upload", fedcomp.build_codec), ("download", parse_tiers)):  # bad specs fail here, before any round
+    def upload(spec: str):  # one parameter may be 'auto' (adaptive strength: AdaptiveStrategy)
+        return fedcomp.build_codec(without_auto(spec) if is_auto(spec) else spec)
+
+    for key, parse in (("upload", upload), ("download", parse_tiers)):  # bad specs fail here, before any round
         if cfg[key] == "auto":  # picked from the regime at the first round (CompressionConfig.resolve)
             continue
         try:
@@ -135,7 +140,9 @@ def main(grid: Grid, context: Context) -> None:
     x_test, y_test = task.load_test(str(cfg["task"]), seed)
     out_dir = Path(str(cfg["out-dir"])).expanduser().resolve()
 
-    strategy = CompressedStrategy(
+    # an upload with one parameter 'auto' (topk(ratio=auto)+qsgd(bits=4)): its strength follows `evaluate`
+    adaptive = is_auto(str(cfg["upload"]))
+    strategy = (AdaptiveStrategy if adaptive else CompressedStrategy)(
         FedAvg(fraction_train=float(cfg["fraction-train"]), fraction_evaluate=float(cfg["fraction-evaluate"]),
                min_evaluate_nodes=1),
         upload=str(cfg["upload"]),
@@ -154,6 +161,7 @@ def main(grid: Grid, context: Context) -> None:
         max_update_norm=float(cfg["max-update-norm"]),
         seeded_init=True,  # the ClientApp builds the round-0 model from the seed (make_compression_mod)
     )
+    compressed = strategy.compressed if adaptive else strategy
     rounds: list[dict] = []
     log(INFO, "fedcomp: results go to %s", out_dir / "results.json")
 
@@ -174,10 +182,15 @@ def main(grid: Grid, context: Context) -> None:
             "evaluate_download_bytes_dense": s.evaluate_download_bytes_dense,
             "evaluate_reply_bytes": s.evaluate_reply_bytes, "evaluate_clients": s.evaluate_clients,
         }
+        strength = strategy.strength_of(server_round) if adaptive else None
+        if strength is not None:  # the round's concrete upload spec and the controller's budget
+            row.update(upload_spec=strength["spec"], strength=strength[strategy.auto.param],
+                       strength_budget=strength["budget"])
         rounds.append(row)
-        cfg["resolved"] = {"upload": strategy.upload.spec, "download": " | ".join(t.codec.spec for t in strategy.tiers),
-                           "aggregation": strategy.aggregation, "error-feedback": strategy.error_feedback,
-                           "coupled-download": strategy.config.coupled_download}
+        cfg["resolved"] = {"upload": compressed.upload.spec,
+                           "download": " | ".join(t.codec.spec for t in compressed.tiers),
+                           "aggregation": compressed.aggregation, "error-feedback": compressed.error_feedback,
+                           "coupled-download": compressed.config.coupled_download}
         log(INFO, "fedcomp round %3d | acc %.4f | loss %.4f | up %9d B (%s less than dense) | down %9d B (%s)%s%s",
             server_round, accuracy, loss, s.upload_bytes, _ratio(s.upload_ratio), s.download_bytes,
             _ratio(s.download_ratio),
@@ -203,7 +216,7 @@ def main(grid: Grid, context: Context) -> None:
             type(exc).__name__, exc, out_dir / "error.json")
         raise
     if rounds:
-        results.plot_accuracy_vs_upload(rounds, out_dir / "accuracy_vs_upload.png", label=strategy.upload.spec)
+        results.plot_accuracy_vs_upload(rounds, out_dir / "accuracy_vs_upload.png", label=str(cfg["upload"]) if adaptive else compressed.upload.spec)
         total_up = sum(r["upload_bytes"] for r in rounds)
         total_dense = sum(r["upload_bytes_dense"] for r in rounds)
         log(INFO, "fedcomp: final accuracy %.4f, uploads %d B (%s less than dense); wrote %s",

@@ -1,9 +1,10 @@
 """Flower server side of fedcomp: the strategy wrapper around the core's aggregation."""
 
 from fedcomp.msgsize import message_bytes
+from fedcomp.strategies.adaptive import AdaptiveStrategy
 from fedcomp.strategies.config import CompressionConfig
 from fedcomp.strategies.replies import MissingCompressionMod, NoUsableReplies, NonFiniteModel
 from fedcomp.strategies.wrapper import CompressedStrategy, RoundStats
 
-__all__ = ["CompressedStrategy", "CompressionConfig", "RoundStats", "message_bytes", "MissingCompressionMod",
+__all__ = ["AdaptiveStrategy", "CompressedStrategy", "CompressionConfig", "RoundStats", "message_bytes", "MissingCompressionMod",
            "NoUsableReplies", "NonFiniteModel"]

@@ -35,6 +35,7 @@ from flwr.serverapp.strategy import Strategy
 
 import fedcomp
 from fedcomp.adapt import AdaptError, AdaptSettings, AutoStrength, is_auto, without_auto
+from fedcomp.strategies.config import SILO_DOWNLOAD
 from fedcomp.strategies.wrapper import CompressedStrategy
 
 
@@ -63,6 +64,10 @@ class AdaptiveStrategy(Strategy):
                              f"'auto', e.g. 'topk(ratio=auto)+qsgd(bits=4)' (a fixed spec: use CompressedStrategy)")
         self.spec = upload
         self.adapt = adapt or AdaptSettings()
+        if settings.get("download", "auto") == "auto":
+            # what 'auto' resolves to for a decoded (non-sketch) upload in every regime; resolved here
+            # so that the wrapper's round-1 resolution cannot reset the upload this strategy sets
+            settings["download"] = SILO_DOWNLOAD
         self.compressed = CompressedStrategy(inner, upload=without_auto(upload), **settings)
         if self.compressed.aggregation == "sketch":
             raise AdaptError(f"upload={upload!r}: adaptive strength does not combine with aggregation='sketch' "
