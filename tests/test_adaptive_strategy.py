@@ -100,3 +100,16 @@ def test_a_fixed_spec_and_sketch_aggregation_are_refused():
 def test_start_needs_the_server_side_evaluation():
     with pytest.raises(AdaptError, match="evaluate_fn"):
         _strategy().start(_Grid({1: node_context(1)}, []), ArrayRecord(tiny_model()), num_rounds=1)
+
+
+def test_project_app_accepts_an_auto_upload_and_refuses_a_bad_one():
+    import tomllib
+    from pathlib import Path
+
+    from fedcomp.simulations.server_app import validate_run_config
+
+    root = Path(__file__).resolve().parents[1]
+    defaults = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert validate_run_config({**defaults, "upload": SPEC})["upload"] == SPEC
+    with pytest.raises(ValueError, match="upload="):
+        validate_run_config({**defaults, "upload": "topk(ratio=auto, scope='nowhere')+qsgd(bits=4)"})
