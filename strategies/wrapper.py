@@ -296,9 +296,12 @@ class CompressedStrategy(Strategy):
         """Pick 'auto' specs from the regime at the first training round (CompressionConfig.resolve)."""
         if not self.requested.auto or self._layout is not None:
             return
-        numel = sum(int(v.numel()) for v in arrays.to_torch_state_dict().values() if v.is_floating_point())
+        state = arrays.to_torch_state_dict()
+        numel = sum(int(v.numel()) for v in state.values() if v.is_floating_point())
         partial = sampled < connected
-        self._use(self.requested.resolve(partial=partial, numel=numel, per_client=self.per_client))
+        statistics = bool(split_kinds(state)[STATISTIC])
+        self._use(self.requested.resolve(partial=partial, numel=numel, per_client=self.per_client,
+                                         statistics=statistics))
         self._warn_biased()
         log(INFO, "fedcomp: %s (%d of %d nodes per round, %d parameters): upload %s, download %s, aggregation %s",
             "cross-device" if partial else "cross-silo", sampled, connected, numel, self.upload.spec,
