@@ -538,8 +538,15 @@ class CompressedStrategy(Strategy):
         finish at chance with nothing said."""
         if arrays is None:
             return
-        bad = [name for name, t in arrays.to_torch_state_dict().items()
-               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        state = arrays.to_torch_state_dict()
+        bad = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        negative = [name for name in split_kinds(state)[STATISTIC]
+                    if name.endswith("running_var") and bool((state[name] < 0).any())]
+        if negative:  # BatchNorm takes the square root: NaN activations from here on, at chance
+            raise NonFiniteModel(
+                f"fedcomp: the global model of round {server_round} has a negative running variance in "
+                f"{negative[:5]} (aggregation {self.aggregation!r}, upload {self.upload.spec!r}); the run stops. "
+                f"Keep exact_statistics=True with aggregation='decode' (the default for BatchNorm models)")
         if bad:
             raise NonFiniteModel(
                 f"fedcomp: the global model of round {server_round} has NaN or Inf values in {bad[:5]}"

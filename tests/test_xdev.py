@@ -253,3 +253,22 @@ def test_a_dense_tier_keeps_its_latest_step_so_evaluate_and_train_encode_once():
     assert len(tier.history) == 1 and tier.version == 2
     run_round(strategy, model, contexts, 2)  # trains from the version evaluate reached: no second step
     assert strategy.rounds[2].encodes == 0 and tier.version == 2
+
+
+def test_a_negative_running_variance_stops_the_run():
+    """Sketched like a weight, a variance can go negative: BatchNorm would output NaN from then on."""
+    model = {**tiny_model(rows=64, cols=60), "bn.running_mean": torch.zeros(64), "bn.running_var": torch.full((64,), 1e-3)}
+
+    def shrink(node, server_round):
+        from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+        def app(msg, context):
+            state = msg.content.array_records["arrays"].to_torch_state_dict()
+            state["bn.running_var"] = state["bn.running_var"] - 1.0  # a (broken) client pushes it below 0
+            return Message(RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord({"num-examples": 5})}),
+                           reply_to=msg)
+        return app
+
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=2, min_train_nodes=2), upload="none()")
+    with pytest.raises(NonFiniteModel, match="negative running variance in \\['bn.running_var'\\]"):
+        run_round(strategy, model, _contexts(2), 1, app=shrink)
