@@ -113,3 +113,18 @@ def test_project_app_accepts_an_auto_upload_and_refuses_a_bad_one():
     assert validate_run_config({**defaults, "upload": SPEC})["upload"] == SPEC
     with pytest.raises(ValueError, match="upload="):
         validate_run_config({**defaults, "upload": "topk(ratio=auto, scope='nowhere')+qsgd(bits=4)"})
+
+
+def test_batchnorm_statistics_stay_exact_whatever_the_round_spec():
+    import torch
+
+    model = {**tiny_model(), "bn.running_mean": torch.zeros(64), "bn.running_var": torch.ones(64)}
+    contexts = {i: node_context(i) for i in (1, 2, 3)}
+    strategy = _strategy()
+    for rnd in (1, 2):
+        strategy.observe(rnd - 1, MetricRecord({"accuracy": 0.1 * rnd}), ArrayRecord(model))
+        model, _, _ = run_round(strategy, model, contexts, rnd)
+        sent = strategy.compressed.upload.spec  # what configure_train sent and the replies were decoded with
+        assert strategy.compressed.rounds[rnd].aggregated == 3
+        assert sent.startswith("name~*running_mean: none(); name~*running_var: none(); topk(ratio=")
+        assert bool((model["bn.running_var"] > 0).all())
