@@ -24,7 +24,9 @@ with them ``"auto"`` resolves to the cross-silo specs in every regime. So do mod
 statistics (BatchNorm) while ``exact_statistics`` is on: the sketch would compress them like weights
 (FetchSGD's server-side error drives a variance negative; measured on mnist ``cnn-bn``, 100 clients
 at 10%: 60% accuracy at round 16, then 10% from round 19 on), and the statistics cannot travel
-beside a sketch yet.
+beside a sketch yet. Such a model in cross-device gets ``qsgd(bits=4)`` (mnist ``cnn-bn``, 100
+clients at 10%, 30 rounds, mean of the last 5 rounds: dense 88.88%, ``qsgd(bits=4)`` 89.60%,
+``topk(ratio=0.01)+qsgd(bits=4)`` with client residuals 82.80%; one seed).
 
 Strategies that compare or re-weight each client's update (FedMedian, FedTrimmedAvg, Krum,
 MultiKrum, Bulyan, QFedAvg: ``per_client``) get the dense ``qsgd(bits=4)`` upload in every regime:
@@ -186,8 +188,12 @@ class CompressionConfig:
         sketchable = ((self.aggregation == "sketch" or (partial and self.aggregation == AUTO))
                       and self.link_profile == links.NONE and not self.round_deadline_s and not self.delta
                       and not (statistics and self.exact_statistics and self.aggregation == AUTO))
+        budgets = self.link_profile != links.NONE or self.round_deadline_s or self.delta
+        statistics_exact = statistics and self.exact_statistics and self.aggregation == AUTO
         if self.upload == AUTO and per_client and self.aggregation != "sketch":
             upload = PER_CLIENT_UPLOAD
+        elif self.upload == AUTO and partial and statistics_exact and not budgets:
+            upload = PER_CLIENT_UPLOAD  # cross-device BatchNorm model: dense qsgd (module docstring)
         elif self.upload == AUTO:
             upload = cross_device_upload(numel or PLACEHOLDER_PARAMS) if sketchable else SILO_UPLOAD
         else:
