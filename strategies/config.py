@@ -28,12 +28,15 @@ beside a sketch yet. Such a model in cross-device gets ``qsgd(bits=4)`` (mnist `
 clients at 10%, 30 rounds, mean of the last 5 rounds: dense 88.88%, ``qsgd(bits=4)`` 89.60%,
 ``topk(ratio=0.01)+qsgd(bits=4)`` with client residuals 82.80%; one seed).
 
-Strategies that compare or re-weight each client's update (FedMedian, FedTrimmedAvg, Krum,
-MultiKrum, Bulyan, QFedAvg: ``per_client``) get the dense ``qsgd(bits=4)`` upload in every regime:
-sparse updates (each client's own 1% of coordinates) leave coordinate-wise medians and trimmed
-means at zero and make distances between clients meaningless, and FetchSGD would replace their
-aggregation altogether. Measured (``simulations/strategy_study.py``, digits, 10 clients, 60 rounds):
-FedMedian -59.6 points with ``topk(ratio=0.01)+qsgd(bits=4)``, -0.1 with ``qsgd(bits=4)`` (7.9x).
+Strategies that compare or re-weight each client's update on its own (FedMedian, FedTrimmedAvg,
+Krum, MultiKrum, Bulyan, QFedAvg) or normalize the mean per coordinate (FedAdam, FedAdagrad, FedYogi)
+(``sparse_averse``) get the dense ``qsgd(bits=4)`` upload in every regime: sparse updates (each
+client's own 1% of coordinates) leave coordinate-wise medians and trimmed means at zero, make
+distances between clients meaningless, and give a per-coordinate optimizer a few large coordinates;
+FetchSGD would replace their aggregation altogether. Measured (``simulations/strategy_study.py``,
+10 clients, mean of the last 5 rounds): digits 60 rounds, FedMedian -59.6 points with
+``topk(ratio=0.01)+qsgd(bits=4)``, -0.1 with ``qsgd(bits=4)`` (7.9x); mnist ``cnn-bn`` 10 rounds,
+FedAdam -17.9 / FedYogi -10.2 with top-k, +0.3 / +0.8 with ``qsgd(bits=4)``.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ AGGREGATIONS = ("auto", "decode", "sketch")
 AUTO = "auto"
 SILO_UPLOAD = "topk(ratio=0.01)+qsgd(bits=4)"  # every node every round: client error feedback holds
 SILO_DOWNLOAD = "none()"
-PER_CLIENT_UPLOAD = "qsgd(bits=4)"  # robust / per-client strategies: dense, unbiased (module docstring)
+DENSE_UPLOAD = "qsgd(bits=4)"  # sparse-averse strategies, cross-device BatchNorm models: dense, unbiased (module docstring)
 SKETCH_COLS_PER_PARAM = 0.068  # cross-device sketch columns per float parameter (16000 for 234k)
 SKETCH_RATIO = 0.01  # heavy hitters applied per round; the coupled download sends the same share
 PLACEHOLDER_PARAMS = 234_122  # before the model is known (the digits MLP): only cols depend on it
@@ -172,14 +175,14 @@ class CompressionConfig:
         """Whether the upload or download spec is still to be picked from the regime."""
         return AUTO in (self.upload, self.download)
 
-    def resolve(self, *, partial: bool, numel: int | None = None, per_client: bool = False,
+    def resolve(self, *, partial: bool, numel: int | None = None, sparse_averse: bool = False,
                 statistics: bool = False) -> "CompressionConfig":
         """This config with ``"auto"`` specs replaced for the regime (module docstring).
 
         ``partial``: not every connected node is sampled each round (cross-device); ``numel``:
         the model's float parameters (sets the sketch's cols; None: a placeholder until the
-        model is known); ``per_client``: the inner strategy compares or re-weights each client's
-        update (robust aggregators, QFedAvg); ``statistics``: the model has running statistics
+        model is known); ``sparse_averse``: the inner strategy compares or re-weights each client's
+        update or normalizes it per coordinate (robust aggregators, QFedAvg, FedAdam...); ``statistics``: the model has running statistics
         (BatchNorm) that must travel exact (``exact_statistics``), which the sketch cannot do yet.
         A config without ``"auto"`` comes back as is.
         """
@@ -190,10 +193,10 @@ class CompressionConfig:
                       and not (statistics and self.exact_statistics and self.aggregation == AUTO))
         budgets = self.link_profile != links.NONE or self.round_deadline_s or self.delta
         statistics_exact = statistics and self.exact_statistics and self.aggregation == AUTO
-        if self.upload == AUTO and per_client and self.aggregation != "sketch":
-            upload = PER_CLIENT_UPLOAD
+        if self.upload == AUTO and sparse_averse and self.aggregation != "sketch":
+            upload = DENSE_UPLOAD
         elif self.upload == AUTO and partial and statistics_exact and not budgets:
-            upload = PER_CLIENT_UPLOAD  # cross-device BatchNorm model: dense qsgd (module docstring)
+            upload = DENSE_UPLOAD  # cross-device BatchNorm model: dense qsgd (module docstring)
         elif self.upload == AUTO:
             upload = cross_device_upload(numel or PLACEHOLDER_PARAMS) if sketchable else SILO_UPLOAD
         else:

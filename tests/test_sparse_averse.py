@@ -1,5 +1,6 @@
-"""Strategies that aggregate each client's update on its own (robust aggregators, QFedAvg) get a
-dense upload by default and a warning for one that defeats them (``strategies/config.py``)."""
+"""Strategies that aggregate each client's update on its own (robust aggregators, QFedAvg) or
+normalize per coordinate (FedAdam, FedAdagrad, FedYogi) get a dense upload by default and a warning
+for one that defeats them (``strategies/config.py``)."""
 
 from __future__ import annotations
 
@@ -10,25 +11,25 @@ import torch
 from flwr.serverapp import strategy as fs
 
 from conftest import node_context, run_round, tiny_model
-from fedcomp.strategies.config import PER_CLIENT_UPLOAD, SILO_UPLOAD
+from fedcomp.strategies.config import DENSE_UPLOAD, SILO_UPLOAD
 from fedcomp.strategies.wrapper import CompressedStrategy
 
-PER_CLIENT = [fs.FedMedian, fs.FedTrimmedAvg, fs.Krum, fs.MultiKrum, fs.Bulyan,
-              lambda **kw: fs.QFedAvg(client_learning_rate=0.1, **kw)]
+SPARSE_AVERSE = [fs.FedMedian, fs.FedTrimmedAvg, fs.Krum, fs.MultiKrum, fs.Bulyan,
+              lambda **kw: fs.QFedAvg(client_learning_rate=0.1, **kw), fs.FedAdam, fs.FedAdagrad, fs.FedYogi]
 
 
-@pytest.mark.parametrize("make", PER_CLIENT)
+@pytest.mark.parametrize("make", SPARSE_AVERSE)
 @pytest.mark.parametrize("fraction", [1.0, 0.1])
 def test_auto_upload_is_dense_for_per_client_strategies(make, fraction):
     strategy = CompressedStrategy(make(fraction_train=fraction))
-    assert strategy.per_client
-    assert strategy.config.upload == PER_CLIENT_UPLOAD and strategy.aggregation == "decode"
+    assert strategy.sparse_averse
+    assert strategy.config.upload == DENSE_UPLOAD and strategy.aggregation == "decode"
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.1])
 def test_averaging_strategies_keep_the_regime_defaults(fraction):
-    strategy = CompressedStrategy(fs.FedAdam(fraction_train=fraction))
-    assert not strategy.per_client
+    strategy = CompressedStrategy(fs.FedAvgM(fraction_train=fraction))
+    assert not strategy.sparse_averse
     assert (strategy.config.upload == SILO_UPLOAD) == (fraction == 1.0)
 
 
@@ -43,7 +44,7 @@ class _Records(logging.Handler):
 
 @pytest.mark.parametrize("upload, words", [("topk(ratio=0.01)+qsgd(bits=4)", "sparse uploads"),
                                            ("sketch(rows=1,cols=100)", "replaces its aggregation"),
-                                           ("kbit(bits=4)", None), (PER_CLIENT_UPLOAD, None)])
+                                           ("kbit(bits=4)", None), (DENSE_UPLOAD, None)])
 def test_a_defeating_upload_is_warned_at_construction(upload, words):
     handler = _Records()
     logger = logging.getLogger("flwr")
@@ -55,7 +56,7 @@ def test_a_defeating_upload_is_warned_at_construction(upload, words):
     warned = [m for m in handler.messages if "FedMedian" in m]
     assert (words is None) == (not warned), handler.messages
     if words:
-        assert words in warned[0] and PER_CLIENT_UPLOAD in warned[0]
+        assert words in warned[0] and DENSE_UPLOAD in warned[0]
 
 
 def test_median_of_sparse_updates_stays_put_and_dense_updates_move():
