@@ -23,7 +23,7 @@ from fedcomp.simulations.certs import make_ca_and_server_cert, make_node_keys
 from fedcomp.simulations.relay import H2_FIELDS, Relay, _H2Meter
 
 COMPRESSED = "topk(ratio=0.01)+qsgd(bits=4)"
-ROUNDS = 2
+ROUNDS = 1
 CLIENTS = 2
 
 # What the relay sees from SuperNodes beyond results.json's upload bytes (serialized content)

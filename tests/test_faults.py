@@ -399,7 +399,7 @@ from test_flower import _flwr_run, superlink  # noqa: E402,F401  (the SuperLink 
 
 # seed 3 draws (rounds 1-4 x partitions 0-3): garbage+crash, absent, absent, slow; round 1 has no slow
 # client because it includes the simulation's start (about 30 s here), which the timeout must cover
-E2E_FAULTS = "crash=0.15,garbage=0.15,slow=0.1,sleep=100,absent=2-3,absent-frac=0.25"
+E2E_FAULTS = "crash=0.15,garbage=0.15,slow=0.1,sleep=70,absent=2-3,absent-frac=0.25"
 
 
 @pytest.mark.slow
@@ -413,7 +413,7 @@ def test_flwr_run_with_fault_injection(superlink, tmp_path):  # noqa: F811
                     "--client-resources-num-cpus", "1", "--init-args-num-cpus", str(n)],
                    env=superlink, check=True, capture_output=True, timeout=60)
     run = _flwr_run(superlink, tmp_path / "faults",
-                    f"num-server-rounds={rounds} seed={seed} faults='{E2E_FAULTS}' round-timeout=90.0 "
+                    f"num-server-rounds={rounds} seed={seed} faults='{E2E_FAULTS}' round-timeout=60.0 "
                     f"upload='topk(ratio=0.05)+qsgd(bits=4)'")
     assert [r["round"] for r in run["rounds"]] == list(range(1, rounds + 1))
     for r in run["rounds"]:
