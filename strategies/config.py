@@ -20,8 +20,8 @@ when the number of connected nodes, the number sampled and the model's size are 
   (-9.5 points with top-k in the study); the sketch scheme held in every regime measured.
 
 Link budgets (``link_profile``, ``round_deadline_s``) and ``delta`` need per-client decoding, so
-with them ``"auto"`` resolves to the cross-silo specs in every regime. So do models with running
-statistics (BatchNorm) while ``exact_statistics`` is on: the sketch would compress them like weights
+with them ``"auto"`` resolves to the cross-silo specs in every regime. Models with running
+statistics (BatchNorm) stay out of the sketch while ``exact_statistics`` is on: it would compress them like weights
 (FetchSGD's server-side error drives a variance negative; measured on mnist ``cnn-bn``, 100 clients
 at 10%: 60% accuracy at round 16, then 10% from round 19 on), and the statistics cannot travel
 beside a sketch yet. Such a model in cross-device gets ``qsgd(bits=4)`` (mnist ``cnn-bn``, 100
@@ -182,17 +182,17 @@ class CompressionConfig:
         ``partial``: not every connected node is sampled each round (cross-device); ``numel``:
         the model's float parameters (sets the sketch's cols; None: a placeholder until the
         model is known); ``sparse_averse``: the inner strategy compares or re-weights each client's
-        update or normalizes it per coordinate (robust aggregators, QFedAvg, FedAdam...); ``statistics``: the model has running statistics
-        (BatchNorm) that must travel exact (``exact_statistics``), which the sketch cannot do yet.
+        update or normalizes it per coordinate (robust aggregators, QFedAvg, FedAdam...);
+        ``statistics``: the model has running statistics (BatchNorm) that must travel exact
+        (``exact_statistics``), which the sketch cannot do yet.
         A config without ``"auto"`` comes back as is.
         """
         if not self.auto:
             return self
-        sketchable = ((self.aggregation == "sketch" or (partial and self.aggregation == AUTO))
-                      and self.link_profile == links.NONE and not self.round_deadline_s and not self.delta
-                      and not (statistics and self.exact_statistics and self.aggregation == AUTO))
         budgets = self.link_profile != links.NONE or self.round_deadline_s or self.delta
         statistics_exact = statistics and self.exact_statistics and self.aggregation == AUTO
+        sketchable = ((self.aggregation == "sketch" or (partial and self.aggregation == AUTO))
+                      and not budgets and not statistics_exact)
         if self.upload == AUTO and sparse_averse and self.aggregation != "sketch":
             upload = DENSE_UPLOAD
         elif self.upload == AUTO and partial and statistics_exact and not budgets:
