@@ -36,7 +36,6 @@ from flwr.serverapp.strategy import Strategy
 import fedcomp
 from fedcomp.adapt import AdaptError, AdaptSettings, AutoStrength, is_auto, without_auto
 from fedcomp.strategies.config import SILO_DOWNLOAD
-from fedcomp.tensor_kinds import STATISTIC, exact_state_policy, split_kinds
 from fedcomp.strategies.wrapper import CompressedStrategy
 
 
@@ -74,7 +73,6 @@ class AdaptiveStrategy(Strategy):
             raise AdaptError(f"upload={upload!r}: adaptive strength does not combine with aggregation='sketch' "
                              f"(FetchSGD's sketch-space momentum and error need the same sketch every round)")
         self.auto: AutoStrength | None = None  # built from the first model seen (its layout)
-        self._statistics: fedcomp.Layout | None = None  # the layout, when its statistics travel exact
         self._next = 1  # the round whose spec is set
 
     @property
@@ -101,18 +99,12 @@ class AdaptiveStrategy(Strategy):
         if self.auto is None:
             layout = fedcomp.Layout.of(dict(arrays.to_torch_state_dict()))
             self.auto = AutoStrength(self.spec, layout, self.adapt, seed=self.compressed.seed)
-            # BatchNorm statistics travel exact, as with CompressedStrategy's own specs (exact_statistics)
-            self._statistics = layout if (self.compressed.config.exact_statistics
-                                          and split_kinds(layout)[STATISTIC]) else None
         return self.auto
 
     def _apply(self, server_round: int) -> None:
-        spec = self.auto.spec(server_round)
-        if self._statistics is not None:
-            spec = exact_state_policy(spec, self._statistics)
-        if spec != self.compressed.upload.spec:
-            # the wrapper reads `upload` when it sends the round's spec and builds the round's decoder
-            self.compressed.upload = fedcomp.build_codec(spec)
+        # the wrapper reads `upload` when it sends the round's spec and builds the round's decoder;
+        # set_upload keeps BatchNorm statistics exact as for its own specs
+        self.compressed.set_upload(self.auto.spec(server_round))
         self._next = server_round
 
     def observe(self, server_round: int, metrics, arrays: ArrayRecord | None = None) -> None:

@@ -275,6 +275,7 @@ class CompressedStrategy(Strategy):
         self._round_state: _RoundState | None = None
         self._base: dict[str, torch.Tensor] = {}  # the global model of this round: model_i = base + update_i
         self._layout: fedcomp.Layout | None = None
+        self._statistics_layout: fedcomp.Layout | None = None  # set when running statistics travel exact
         self._accumulator: Accumulator | None = None  # reused across rounds while the layout holds
         self._dense_model_bytes = 0
         self._sent: dict[int, list[int]] = {}  # round -> nodes sent a train message (to record who never replied)
@@ -428,12 +429,20 @@ class CompressedStrategy(Strategy):
                 "(%s); a negative variance is possible: prefer aggregation='decode' without link budgets for it",
                 "FetchSGD sketches every float" if self.aggregation == "sketch" else "byte budgets need a plain spec")
             return
-        if not self.upload.lossless:
-            self.upload = fedcomp.build_codec(exact_state_policy(self.config.upload, layout))
+        self._statistics_layout = layout
+        self.set_upload(self.upload.spec)
         for tier in self.tiers:
             if tier.reference is None and not tier.codec.lossless:
                 tier.codec = fedcomp.build_codec(exact_state_policy(tier.codec.spec, layout))
         log(INFO, "fedcomp: running statistics travel exact; upload %s", self.upload.spec)
+
+    def set_upload(self, spec: str) -> None:
+        """Use ``spec`` for the uploads of the rounds configured from now on (``AdaptiveStrategy``
+        sets each round's spec this way); running statistics stay exact as for the configured spec."""
+        codec = fedcomp.build_codec(spec)
+        if self._statistics_layout is not None and not codec.lossless:
+            codec = fedcomp.build_codec(exact_state_policy(spec, self._statistics_layout))
+        self.upload = codec
 
     def _step_tier(self, tier: Tier, model: dict[str, torch.Tensor], version: int) -> int:
         """Move a tier's reference to ``version`` (once: federated evaluation may have done it)."""
