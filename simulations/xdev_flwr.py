@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from fedcomp.simulations import deploy
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = {
@@ -30,28 +29,21 @@ SCHEMES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _superlink(home: Path, nodes: int) -> tuple[subprocess.Popen, dict]:
-    port = _free_port()
+def _superlink(home: Path, nodes: int) -> tuple[deploy.Proc, dict]:
+    """A simulation SuperLink of its own (stopped with :func:`deploy.stop_process`), set to ``nodes``."""
+    port = deploy.free_port()
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "xdev"\n\n[superlink.xdev]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
-    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
-    log = open(home / "superlink.log", "wb")
-    proc = subprocess.Popen(["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
-                             "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = deploy.flower_env(home)
+    proc = deploy._spawn("superlink", ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+                                       "--host", "127.0.0.1", "--port", str(port)], env, home / "superlink.log", home)
     import httpx
 
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"flower-superlink exited: {(home / 'superlink.log').read_text()[-2000:]}")
+        if not proc.alive():
+            raise RuntimeError(f"flower-superlink exited: {proc.log()[-2000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).is_success:
                 break
@@ -60,17 +52,6 @@ def _superlink(home: Path, nodes: int) -> tuple[subprocess.Popen, dict]:
     subprocess.run(["flwr", "federation", "simulation-config", "--num-supernodes", str(nodes)],
                    env=env, check=True, capture_output=True, timeout=120)
     return proc, env
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def summarize(results: Path) -> dict:
@@ -124,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 with open(args.out / "rows.jsonl", "a") as f:
                     f.write(json.dumps(row) + "\n")
     finally:
-        _stop(proc)
+        deploy.stop_process(proc)
     dense = {r["seed"]: r for r in rows if r["scheme"] == "dense"}
     print(f"\n{args.nodes} nodes, fraction-train {args.fraction}, {args.rounds} rounds")
     print("| scheme | seed | accuracy % | vs dense (pt) | upload x | download x | download modes |")
