@@ -9,6 +9,8 @@ model, rounds without usable replies, clients without the mod) writes ``<out-dir
 from __future__ import annotations
 
 import json
+import resource
+import time
 from logging import ERROR, INFO
 from pathlib import Path
 
@@ -132,6 +134,14 @@ def _aggregation(cfg: dict) -> str:
     return "sketch" if codec.reducer is not None and codec.reducer.linear else "decode"
 
 
+def _rss_mb() -> float:
+    """This process's resident memory now, in MiB (Linux /proc; 0.0 where it cannot be read)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 2**20
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = validate_run_config(context.run_config)
@@ -164,8 +174,10 @@ def main(grid: Grid, context: Context) -> None:
     compressed = strategy.compressed if adaptive else strategy
     rounds: list[dict] = []
     log(INFO, "fedcomp: results go to %s", out_dir / "results.json")
+    clock = [time.perf_counter()]  # when the previous round's evaluation began: the server's time per round
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        round_s, clock[0] = time.perf_counter() - clock[0], time.perf_counter()
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, accuracy = task.evaluate(model, x_test, y_test, device="cpu")
         if server_round == 0:
@@ -181,6 +193,10 @@ def main(grid: Grid, context: Context) -> None:
             "evaluate_download_bytes": s.evaluate_download_bytes,
             "evaluate_download_bytes_dense": s.evaluate_download_bytes_dense,
             "evaluate_reply_bytes": s.evaluate_reply_bytes, "evaluate_clients": s.evaluate_clients,
+            # wall seconds of one round as the server lives it (the previous evaluation, sampling, broadcast
+            # encodes, waiting for the clients, decode + aggregate) and this process's memory
+            "server_round_s": round_s, "server_rss_mb": _rss_mb(),
+            "server_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
         strength = strategy.strength_of(server_round) if adaptive else None
         if strength is not None:  # the round's concrete upload spec and the controller's budget
