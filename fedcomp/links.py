@@ -100,6 +100,14 @@ PRESETS: dict[str, Link] = {
 MIXED_WEIGHTS: dict[str, float] = {"datacenter": 0.1, "broadband": 0.3, "4g": 0.4, "3g-edge": 0.2}
 NONE = "none"  # link-profile value: no links, no budgets, no simulated time
 
+# Measured links (issue #17; fedcomp.adapt.MeasuredBudgets, fedcomp.strategies.measured): record keys
+ESTIMATE = "link-estimate"  # str (server -> client, in the download record): the link the server measured
+# for this node, as node-config text (margins applied); the client budgets from it when it declares no link
+RECEIVED_AT = "received-at"  # float (client -> server, in the upload record, estimated links only): the
+# client's wall clock (Unix seconds) when its mod received the broadcast
+NETSIM_RECORD = "fedcomp.netsim"  # ConfigRecord a simulated network adds to a reply: the hidden link's
+# transfer times (simulation only; the server's observer removes it before anything counts the reply)
+
 _KEYS = {"uplink-kbps": "uplink_kbps", "downlink-kbps": "downlink_kbps", "latency-ms": "latency_ms",
          "byte-cap": "byte_cap", "deadline-s": "deadline_s"}
 

@@ -26,6 +26,7 @@ from fedcomp import links
 from fedcomp.simulations import results, task
 from fedcomp.adapt import is_auto, without_auto
 from fedcomp.strategies.adaptive import AdaptiveStrategy
+from fedcomp.strategies.measured import MeasuredLinkStrategy
 from fedcomp.strategies.wrapper import CompressedStrategy
 
 app = ServerApp()
@@ -37,6 +38,8 @@ CONFIG_KEYS = (
     "streaming",
     "max-update-norm", "faults", "round-timeout",
 )
+# optional keys (absent from pyproject.toml: the run config may leave them out) and their defaults
+OPTIONAL_KEYS = {"link-estimate": False}
 
 
 def _check(cfg: dict, key: str, kind: type, allowed: str, ok) -> None:
@@ -49,13 +52,13 @@ def _check(cfg: dict, key: str, kind: type, allowed: str, ok) -> None:
 
 def validate_run_config(run_config) -> dict:
     """The run config as a dict, every key checked; raises ValueError naming the key, value and what is allowed."""
-    cfg = dict(run_config)
+    cfg = {**OPTIONAL_KEYS, **dict(run_config)}
     missing = [k for k in CONFIG_KEYS if k not in cfg]
     if missing:
         raise ValueError(f"run config lacks {missing}; defaults live in pyproject.toml [tool.flwr.app.config]")
-    unknown = sorted(k for k in cfg if k not in CONFIG_KEYS)
+    unknown = sorted(k for k in cfg if k not in CONFIG_KEYS and k not in OPTIONAL_KEYS)
     if unknown:  # a typo such as max-update-nrom would otherwise be ignored silently
-        raise ValueError(f"run config has unknown keys {unknown}; allowed: {', '.join(CONFIG_KEYS)}")
+        raise ValueError(f"run config has unknown keys {unknown}; allowed: {', '.join((*CONFIG_KEYS, *OPTIONAL_KEYS))}")
     _check(cfg, "num-server-rounds", int, "a positive integer", lambda v: v >= 1)
     _check(cfg, "fraction-train", float, "a fraction in (0, 1]", lambda v: 0 < v <= 1)
     _check(cfg, "fraction-evaluate", float, "a fraction in [0, 1] (0: central evaluation only)", lambda v: 0 <= v <= 1)
@@ -105,6 +108,15 @@ def validate_run_config(run_config) -> dict:
     if cfg["link-profile"] != links.NONE and _aggregation(cfg) == "sketch":
         raise ValueError(f"run config link-profile={cfg['link-profile']!r} needs aggregation='decode': budgets give "
                          f"clients sketches of different cols, which cannot be summed in sketch space")
+    _check(cfg, "link-estimate", bool, "true or false (true: budgets from links the server measures; with a "
+           "link-profile, that profile is the simulation's hidden truth)", lambda v: True)
+    if cfg["link-estimate"]:
+        if cfg["round-deadline-s"] <= 0:
+            raise ValueError("run config link-estimate=true needs round-deadline-s > 0: measured links give budgets "
+                             "only against a deadline")
+        if cfg["upload"] == "auto" or _aggregation(cfg) == "sketch":
+            raise ValueError(f"run config link-estimate=true needs an explicit upload codec with a budget knob and "
+                             f"aggregation='decode' (got upload={cfg['upload']!r}, aggregation={cfg['aggregation']!r})")
     _check(cfg, "max-update-norm", float, "a finite float >= 0 (0: off)", lambda v: 0 <= v < float("inf"))
     _check(cfg, "round-timeout", float, "seconds > 0 the server waits for a round's replies", lambda v: 0 < v < float("inf"))
     _check(cfg, "faults", str, "'' (off) or fault items such as 'crash=0.1,garbage=0.05,slow=0.05,absent=2-4'",
@@ -154,7 +166,8 @@ def main(grid: Grid, context: Context) -> None:
         delta=float(cfg["delta"]),
         download_tier_kbps=str(cfg["download-tier-kbps"]),
         download_max_stale=int(cfg["download-max-stale"]),
-        link_profile=str(cfg["link-profile"]),
+        # measured links: the profile (if any) is the simulated network's hidden truth, not told to clients
+        link_profile=links.NONE if cfg["link-estimate"] else str(cfg["link-profile"]),
         round_deadline_s=float(cfg["round-deadline-s"]),
         budget_fallback=str(cfg["budget-fallback"]),
         streaming=bool(cfg["streaming"]),
@@ -162,6 +175,9 @@ def main(grid: Grid, context: Context) -> None:
         seeded_init=True,  # the ClientApp builds the round-0 model from the seed (make_compression_mod)
     )
     compressed = strategy.compressed if adaptive else strategy
+    measured = None
+    if cfg["link-estimate"]:  # budgets from the links the server measures (fedcomp.strategies.measured)
+        strategy = measured = MeasuredLinkStrategy(strategy, float(cfg["round-deadline-s"]))
     rounds: list[dict] = []
     log(INFO, "fedcomp: results go to %s", out_dir / "results.json")
 
@@ -182,6 +198,11 @@ def main(grid: Grid, context: Context) -> None:
             "evaluate_download_bytes_dense": s.evaluate_download_bytes_dense,
             "evaluate_reply_bytes": s.evaluate_reply_bytes, "evaluate_clients": s.evaluate_clients,
         }
+        if measured is not None:  # per node: estimate sent, transfers observed, budgets (and in simulation the truth)
+            row["link_estimates"] = measured.estimates_of(server_round)
+            true_time = measured.true_round_time(server_round)
+            if true_time is not None:  # simulated time on the hidden links, not on the estimates clients report
+                row["sim_time_s_estimated_links"], row["sim_time_s"] = row["sim_time_s"], true_time
         strength = strategy.strength_of(server_round) if adaptive else None
         if strength is not None:  # the round's concrete upload spec and the controller's budget
             row.update(upload_spec=strength["spec"], strength=strength[strategy.auto.param],
