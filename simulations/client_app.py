@@ -27,8 +27,8 @@ def initial_model(context: Context) -> dict[str, torch.Tensor]:
     return task.build_model(str(cfg["model"]), seed=int(cfg["seed"]), task=str(cfg.get("task", "digits"))).state_dict()
 
 
-# faults_mod is a no-op unless run config `faults` is set; netsim_mod unless `link-estimate` is true with a
-# link-profile (the hidden links of a measured-link simulation)
+# faults_mod is a no-op unless run config `faults` is set; netsim_mod unless link-profile='measured:<profile>'
+# (a measured-link simulation: it plays the hidden links)
 app = ClientApp(mods=[netsim_mod, faults_mod, make_compression_mod(initial_model=initial_model)])
 
 

@@ -1,7 +1,7 @@
 """A simulated network for measured-link runs: hidden links whose transfer times the server observes.
 
-With run config ``link-estimate=true`` and a ``link-profile`` other than ``'none'``, the profile is the
-*hidden* truth: the server does not send it to the clients (``compression_mod`` never learns its
+With run config ``link-profile='measured:<profile>'`` (``'measured:mixed'``, a preset or a table path),
+``<profile>`` is the *hidden* truth: the server does not send it to the clients (``compression_mod`` never learns its
 link; it budgets from what the server measured, :mod:`fedcomp.strategies.measured`), and
 :func:`netsim_mod`, outermost on the project's ClientApp, plays the network: for each train
 message it takes the node's link from the profile (:func:`fedcomp.links.resolve_link`, node-config
@@ -26,19 +26,21 @@ from fedcomp.msgsize import message_bytes
 TIMING_ERROR = 0.02  # relative standard deviation of an observed transfer time
 
 
-def active(run_config) -> bool:
-    """True when the run asks for measured links over simulated (hidden) ones."""
-    return bool(run_config.get("link-estimate", False)) and str(run_config.get("link-profile", links.NONE)) != links.NONE
+def hidden_profile(run_config) -> str | None:
+    """The simulated network's profile when the run asks for measured links over hidden ones, else None."""
+    hidden = links.measured_profile(str(run_config.get("link-profile", links.NONE)))
+    return None if hidden in (None, links.NONE) else hidden
 
 
 def netsim_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Flower mod: add the hidden link's transfer times to train replies (see the module docstring)."""
     cfg = context.run_config
-    if (not active(cfg) or not msg.has_content() or msg.metadata.message_type.split(".")[0] != "train"
+    hidden = hidden_profile(cfg)
+    if (hidden is None or not msg.has_content() or msg.metadata.message_type.split(".")[0] != "train"
             or P.DOWNLOAD_RECORD not in msg.content.config_records):
         return call_next(msg, context)
     seed = int(cfg.get("seed", 0))
-    link = links.resolve_link(context.node_config, str(cfg["link-profile"]), seed=seed)
+    link = links.resolve_link(context.node_config, hidden, seed=seed)
     down_bytes = message_bytes(msg.content)
     server_round = int(msg.content.config_records[P.DOWNLOAD_RECORD][P.ROUND])
     reply = call_next(msg, context)

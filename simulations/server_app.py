@@ -38,8 +38,6 @@ CONFIG_KEYS = (
     "streaming",
     "max-update-norm", "faults", "round-timeout",
 )
-# optional keys (absent from pyproject.toml: the run config may leave them out) and their defaults
-OPTIONAL_KEYS = {"link-estimate": False}
 
 
 def _check(cfg: dict, key: str, kind: type, allowed: str, ok) -> None:
@@ -52,13 +50,13 @@ def _check(cfg: dict, key: str, kind: type, allowed: str, ok) -> None:
 
 def validate_run_config(run_config) -> dict:
     """The run config as a dict, every key checked; raises ValueError naming the key, value and what is allowed."""
-    cfg = {**OPTIONAL_KEYS, **dict(run_config)}
+    cfg = dict(run_config)
     missing = [k for k in CONFIG_KEYS if k not in cfg]
     if missing:
         raise ValueError(f"run config lacks {missing}; defaults live in pyproject.toml [tool.flwr.app.config]")
-    unknown = sorted(k for k in cfg if k not in CONFIG_KEYS and k not in OPTIONAL_KEYS)
+    unknown = sorted(k for k in cfg if k not in CONFIG_KEYS)
     if unknown:  # a typo such as max-update-nrom would otherwise be ignored silently
-        raise ValueError(f"run config has unknown keys {unknown}; allowed: {', '.join((*CONFIG_KEYS, *OPTIONAL_KEYS))}")
+        raise ValueError(f"run config has unknown keys {unknown}; allowed: {', '.join(CONFIG_KEYS)}")
     _check(cfg, "num-server-rounds", int, "a positive integer", lambda v: v >= 1)
     _check(cfg, "fraction-train", float, "a fraction in (0, 1]", lambda v: 0 < v <= 1)
     _check(cfg, "fraction-evaluate", float, "a fraction in [0, 1] (0: central evaluation only)", lambda v: 0 <= v <= 1)
@@ -96,7 +94,8 @@ def validate_run_config(run_config) -> dict:
     _check(cfg, "aggregation", str, "'auto', 'decode' or 'sketch'", lambda v: v in ("auto", "decode", "sketch"))
     _check(cfg, "server-momentum", float, "a float in [0, 1)", lambda v: 0 <= v < 1)
     _check(cfg, "delta", float, "a float in [0, 1] (0: off)", lambda v: 0 <= v <= 1)
-    _check(cfg, "link-profile", str, f"'none', 'mixed', one of {sorted(links.PRESETS)}, or a .csv/.toml table path",
+    _check(cfg, "link-profile", str, f"'none', 'mixed', one of {sorted(links.PRESETS)}, a .csv/.toml table path, "
+           f"'measured' or 'measured:<one of those>'",
            lambda v: bool(v.strip()))
     try:
         links.check_profile(str(cfg["link-profile"]))
@@ -108,15 +107,13 @@ def validate_run_config(run_config) -> dict:
     if cfg["link-profile"] != links.NONE and _aggregation(cfg) == "sketch":
         raise ValueError(f"run config link-profile={cfg['link-profile']!r} needs aggregation='decode': budgets give "
                          f"clients sketches of different cols, which cannot be summed in sketch space")
-    _check(cfg, "link-estimate", bool, "true or false (true: budgets from links the server measures; with a "
-           "link-profile, that profile is the simulation's hidden truth)", lambda v: True)
-    if cfg["link-estimate"]:
+    if links.measured_profile(cfg["link-profile"]) is not None:  # budgets from links the server measures
         if cfg["round-deadline-s"] <= 0:
-            raise ValueError("run config link-estimate=true needs round-deadline-s > 0: measured links give budgets "
-                             "only against a deadline")
-        if cfg["upload"] == "auto" or _aggregation(cfg) == "sketch":
-            raise ValueError(f"run config link-estimate=true needs an explicit upload codec with a budget knob and "
-                             f"aggregation='decode' (got upload={cfg['upload']!r}, aggregation={cfg['aggregation']!r})")
+            raise ValueError(f"run config link-profile={cfg['link-profile']!r} needs round-deadline-s > 0: measured "
+                             f"links give budgets only against a deadline")
+        if cfg["upload"] == "auto":
+            raise ValueError(f"run config link-profile={cfg['link-profile']!r} needs an explicit upload codec with a "
+                             f"budget knob, e.g. \"topk(ratio=0.01,index='fixed')+qsgd(bits=4)\" (got upload='auto')")
     _check(cfg, "max-update-norm", float, "a finite float >= 0 (0: off)", lambda v: 0 <= v < float("inf"))
     _check(cfg, "round-timeout", float, "seconds > 0 the server waits for a round's replies", lambda v: 0 < v < float("inf"))
     _check(cfg, "faults", str, "'' (off) or fault items such as 'crash=0.1,garbage=0.05,slow=0.05,absent=2-4'",
@@ -167,7 +164,7 @@ def main(grid: Grid, context: Context) -> None:
         download_tier_kbps=str(cfg["download-tier-kbps"]),
         download_max_stale=int(cfg["download-max-stale"]),
         # measured links: the profile (if any) is the simulated network's hidden truth, not told to clients
-        link_profile=links.NONE if cfg["link-estimate"] else str(cfg["link-profile"]),
+        link_profile=links.NONE if links.measured_profile(cfg["link-profile"]) is not None else str(cfg["link-profile"]),
         round_deadline_s=float(cfg["round-deadline-s"]),
         budget_fallback=str(cfg["budget-fallback"]),
         streaming=bool(cfg["streaming"]),
@@ -176,7 +173,7 @@ def main(grid: Grid, context: Context) -> None:
     )
     compressed = strategy.compressed if adaptive else strategy
     measured = None
-    if cfg["link-estimate"]:  # budgets from the links the server measures (fedcomp.strategies.measured)
+    if links.measured_profile(cfg["link-profile"]) is not None:  # budgets from links the server measures
         strategy = measured = MeasuredLinkStrategy(strategy, float(cfg["round-deadline-s"]))
     rounds: list[dict] = []
     log(INFO, "fedcomp: results go to %s", out_dir / "results.json")

@@ -20,9 +20,9 @@ SPEC = "topk(ratio=0.1,index='fixed')+qsgd(bits=4)"
 DEADLINE = 5.0
 
 
-def _ctx(node: int, profile: str = "mixed", estimate: bool = True, **node_config) -> Context:
+def _ctx(node: int, profile: str = "measured:mixed", **node_config) -> Context:
     return Context(run_id=1, node_id=node, node_config={"partition-id": node, "num-partitions": 10, **node_config},
-                   state=RecordDict(), run_config={"link-estimate": estimate, "link-profile": profile, "seed": 0})
+                   state=RecordDict(), run_config={"link-profile": profile, "seed": 0})
 
 
 class _Grid:
@@ -101,8 +101,8 @@ def test_estimates_reach_clients_and_budgets_follow_the_hidden_link():
 
 
 def test_a_declared_link_wins_and_no_link_stays_unbudgeted():
-    contexts = {1: _ctx(1, estimate=False, **{"uplink-kbps": 300, "downlink-kbps": 1000, "latency-ms": 100}),
-                2: _ctx(2, estimate=False)}
+    contexts = {1: _ctx(1, profile="measured", **{"uplink-kbps": 300, "downlink-kbps": 1000, "latency-ms": 100}),
+                2: _ctx(2, profile="measured")}
     strategy, grid = _run(contexts, rounds=2, streaming=False)  # ObservingGrid.send_and_receive times them too
     by_node = {(e["node"], e["round"]): e for e in strategy.estimates}
     for r in (1, 2):  # node 1 budgets from its own link; the server cannot split its round trip
@@ -117,7 +117,7 @@ def test_a_declared_link_wins_and_no_link_stays_unbudgeted():
 def test_without_an_estimate_the_mod_is_unbudgeted():
     inner = CompressedStrategy(FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=1,
                                       min_train_nodes=1), upload=SPEC, download="none()")
-    grid = _Grid({3: _ctx(3, profile="none", estimate=False)}, mods=())
+    grid = _Grid({3: _ctx(3, profile="none")}, mods=())
     inner.start(grid, ArrayRecord(tiny_model()), num_rounds=1, evaluate_fn=lambda r, a: MetricRecord({"accuracy": 0.5}))
     assert not inner.rounds[1].links  # no link reported, no budget
 
@@ -142,16 +142,20 @@ def test_refuses_sketch_aggregation():
         MeasuredLinkStrategy(inner, DEADLINE)
 
 
-def test_server_app_config_switch():
+def test_measured_profiles_and_the_server_app_switch():
     from fedcomp.simulations.server_app import validate_run_config
     import tomllib
     from pathlib import Path
 
+    assert links.measured_profile("measured") == links.NONE and links.measured_profile("measured:4g") == "4g"
+    assert links.measured_profile("mixed") is None
+    for bad in ("measured:none", "measured:measured:mixed", "measured:5g"):
+        with pytest.raises(links.LinkError, match="invalid"):
+            links.check_profile(bad)
+    assert links.link_for(0, 2, "measured:4g") is None  # clients never read the hidden profile
     base = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    assert validate_run_config(base)["link-estimate"] is False  # optional, off by default
     with pytest.raises(ValueError, match="round-deadline-s > 0"):
-        validate_run_config({**base, "link-estimate": True, "round-deadline-s": 0.0})
-    with pytest.raises(ValueError, match="link-estimate"):
-        validate_run_config({**base, "link-estimate": "yes"})
-    cfg = validate_run_config({**base, "link-estimate": True, "round-deadline-s": 1.5, "upload": SPEC})
-    assert cfg["link-estimate"] is True
+        validate_run_config({**base, "link-profile": "measured:mixed", "upload": SPEC, "round-deadline-s": 0.0})
+    with pytest.raises(ValueError, match="explicit upload codec"):
+        validate_run_config({**base, "link-profile": "measured", "round-deadline-s": 1.5})
+    validate_run_config({**base, "link-profile": "measured:mixed", "round-deadline-s": 1.5, "upload": SPEC})
