@@ -20,7 +20,11 @@ parameter makes the whole reply fit the link's budget (byte cap, or what the upl
 time the round deadline leaves), and the reply reports the concrete spec, link, budget, status,
 the broadcast bytes it received and the measured seconds of decode + training + encode. The
 encode's own time is not known before the fit: the budget reserves the longest of the node's
-recent encodes (x1.5). Without a link (profile 'none', no link keys) nothing of this happens.
+recent encodes (x1.5). A node that declares no link budgets from the link the server measured for
+it, when the broadcast carries one (:data:`fedcomp.links.ESTIMATE`, sent by
+:class:`fedcomp.strategies.measured.MeasuredLinkStrategy`); its reply then also reports the wall time
+at which the broadcast reached it (``received-at``), from which the server times both transfers. Without
+a link (profile 'none', no link keys, no estimate) nothing of this happens.
 
 Messages without a fedcomp record (evaluation, or a strategy that is not wrapped) pass through;
 a *train* message without one means the strategy is not wrapped in ``CompressedStrategy``, and

@@ -32,7 +32,9 @@ Measured links (:class:`LinkEstimator`): per node and direction, the last `windo
 (bytes, seconds) are fitted to ``seconds = latency + bytes * 8 / (kbps * 1000)``: the latency by
 least squares whenever their sizes differ enough to tell it from bandwidth (kept until the next
 such fit), the bandwidth from the kept transfers' total bytes over their total time after
-latency. :class:`MeasuredBudgets` turns the estimates into upload byte budgets.
+latency. :class:`MeasuredBudgets` turns the estimates into upload byte budgets (:meth:`MeasuredBudgets.budget`)
+or into the link a client budgets from itself (:meth:`MeasuredBudgets.link`, what
+:mod:`fedcomp.strategies.measured` sends each node in Flower).
 """
 
 from __future__ import annotations
