@@ -159,3 +159,21 @@ def test_measured_profiles_and_the_server_app_switch():
     with pytest.raises(ValueError, match="explicit upload codec"):
         validate_run_config({**base, "link-profile": "measured", "round-deadline-s": 1.5})
     validate_run_config({**base, "link-profile": "measured:mixed", "round-deadline-s": 1.5, "upload": SPEC})
+
+
+def test_link_study_summarizes_a_flower_run(tmp_path):
+    import json
+
+    from fedcomp.simulations.link_study import from_results
+
+    row = lambda node, rnd, err, late=False, declared=1000: {  # noqa: E731
+        "node": node, "round": rnd, "true_link": "uplink-kbps=200 downlink-kbps=1000", "error": err, "late": late,
+        "declared_budget": declared}
+    rounds = [{"round": r, "link_estimates": [row(1, r, -0.5 if r < 3 else 0.05), row(2, r, -0.2 if r < 5 else 0.0,
+                                                                                     late=r == 2)]}
+              for r in range(1, 7)]
+    rounds[0]["link_estimates"].append(row(3, 1, None, late=True, declared=0))  # no budget to compare: left out
+    (tmp_path / "results.json").write_text(json.dumps({"rounds": rounds}))
+    s = from_results(str(tmp_path))
+    assert s["rounds_to_within_10pct"] == {1: 3, 2: 5} and s["within_10pct_from_round_5"] == 1.0
+    assert s["client_rounds"] == 13 and s["compared"] == 12 and s["uploads_on_time"] == pytest.approx(11 / 13)
