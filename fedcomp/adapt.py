@@ -453,10 +453,11 @@ class MeasuredBudgets:
             cap = max(1, math.floor(self.growth * self._largest.get(node, self.first)))
         if down is not None and (node, "down") not in est._latency and (node, "up") in est._latency:
             # broadcasts are about one size, so their latency is rarely fitted: take the upload's
-            # (one latency per link, as the link model has), or the small ones read as a slow link
+            # (one latency per link, as the link model has), or the small ones read as a slow link;
+            # at most half of each transfer counts as latency: a latency-bound broadcast says little about
+            # bandwidth, and an over-estimate would move the node to a larger download tier
             seen = est._seen[(node, "down")]
-            lat = min(up[1], min(s for _, s in seen))
-            down = (sum(b for b, _ in seen) * 8 / sum(max(s - lat, 1e-9) for _, s in seen) / 1000, lat)
+            down = (sum(b for b, _ in seen) * 8 / sum(max(s - up[1], s / 2) for _, s in seen) / 1000, up[1])
         downlink = FAST_KBPS if down is None else _sig(down[0] / self._slack(node, "down"), up=False)
         return Link(_sig(up[0] / s_up, up=False), downlink, _sig(up[1] * s_up * 1000, up=True), byte_cap=cap,
                     deadline_s=self.deadline_s)
