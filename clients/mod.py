@@ -20,7 +20,11 @@ parameter makes the whole reply fit the link's budget (byte cap, or what the upl
 time the round deadline leaves), and the reply reports the concrete spec, link, budget, status,
 the broadcast bytes it received and the measured seconds of decode + training + encode. The
 encode's own time is not known before the fit: the budget reserves the longest of the node's
-recent encodes (x1.5). Without a link (profile 'none', no link keys) nothing of this happens.
+recent encodes (x1.5). A node that declares no link budgets from the link the server measured for
+it, when the broadcast carries one (:data:`fedcomp.links.ESTIMATE`, sent by
+:class:`fedcomp.strategies.measured.MeasuredLinkStrategy`); its reply then also reports the wall time
+at which the broadcast reached it (``received-at``), from which the server times both transfers. Without
+a link (profile 'none', no link keys, no estimate) nothing of this happens.
 
 Messages without a fedcomp record (evaluation, or a strategy that is not wrapped) pass through;
 a *train* message without one means the strategy is not wrapped in ``CompressedStrategy``, and
@@ -37,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from logging import WARNING
-from time import perf_counter
+from time import perf_counter, time
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
@@ -48,6 +52,7 @@ from flwr.common.logger import log
 import fedcomp
 from fedcomp import links
 from fedcomp import protocol as P
+from fedcomp.adapt import FAST_KBPS
 from fedcomp.base import add_residual
 from fedcomp.broadcast import ResyncNeeded, apply_plan, parse_thresholds, reference_crc, tier_for_kbps
 from fedcomp.clients.budgeting import budgeted_upload
@@ -127,6 +132,26 @@ def node_link(context: Context, cfg) -> links.Link | None:
     return links.with_deadline(link, deadline if deadline > 0 else None)
 
 
+def estimated_link(cfg) -> links.Link | None:
+    """The link the server measured for this node (:data:`fedcomp.links.ESTIMATE` in the broadcast,
+    sent by :class:`fedcomp.strategies.measured.MeasuredLinkStrategy`), with the run's deadline where
+    it has none; None when the server sent none. Used only when the node declares no link.
+
+    Raises :class:`ModError` when the text does not describe a link."""
+    text = cfg.get(links.ESTIMATE)
+    if not text:
+        return None
+    try:
+        link = links.link_from_mapping(dict(kv.split("=", 1) for kv in str(text).split()), "the server's estimate")
+    except (links.LinkError, ValueError) as exc:
+        raise ModError(f"fedcomp could not read the link the server estimated for this node ({text!r}): {exc}; "
+                       f"the server and this client must run the same fedcomp version") from exc
+    if link is None:
+        return None
+    deadline = float(cfg.get(P.DEADLINE, 0.0))
+    return link if link.deadline_s is not None else links.with_deadline(link, deadline if deadline > 0 else None)
+
+
 InitialModel = Callable[[Context], Mapping[str, torch.Tensor]]
 
 
@@ -204,7 +229,8 @@ def _broadcast(cfg, evaluate: bool = False) -> tuple[fedcomp.Layout, fedcomp.Cod
                                     (P.ARRAYS_KEY, str, True), (P.ERROR_FEEDBACK, bool, not evaluate),
                                     (P.TIER_KBPS, str, True),
                                     (P.DELTA, number, False), (P.DELTA_REF, int, False), (P.ACK_ROUND, int, False),
-                                    (P.LINK_PROFILE, str, False), (P.DEADLINE, number, False), (P.FALLBACK, str, False)):
+                                    (P.LINK_PROFILE, str, False), (P.DEADLINE, number, False), (P.FALLBACK, str, False),
+                                    (links.ESTIMATE, str, False)):
             if (required or key in cfg) and not isinstance(cfg[key], kind):
                 raise TypeError(f"{key}={cfg[key]!r} is not of the type fedcomp sends")
         if cfg[P.TIERS] < 1:
@@ -228,9 +254,16 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
         return _evaluate(msg, context, call_next, state, cfg)
     layout, upload, plan = _broadcast(cfg)
     link = node_link(context, cfg)
+    estimated = link is None and links.ESTIMATE in cfg
+    if estimated:  # no declared link: the one the server measured (wall clock: the server splits its round trip)
+        received_at = time()
+        link = estimated_link(cfg)
     download_seen = message_bytes(msg.content) if link is not None else 0
     try:
-        want = desired_tier(context, int(cfg[P.TIERS]), str(cfg[P.TIER_KBPS]), link)
+        if estimated and link.downlink_kbps >= FAST_KBPS and "download-tier" not in context.node_config:
+            want = 0  # downlink not measured yet: the most compressed tier (conservative start)
+        else:
+            want = desired_tier(context, int(cfg[P.TIERS]), str(cfg[P.TIER_KBPS]), link)
     except (fedcomp.SpecError, TypeError, ValueError) as exc:  # ModError passes: it is not among them
         raise ModError(f"fedcomp could not place this node in a download tier: {exc}; check the node config's "
                        f"download-tier, downlink-kbps and partition-id") from exc
@@ -246,6 +279,8 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
         if link is not None:  # no training, but the round still cost this node its download
             record.update({P.LINK: link.describe(), P.BUDGET: -1, P.DOWNLOAD_SEEN: download_seen,
                            P.COMPUTE_S: float(perf_counter() - start)})
+            if estimated:
+                record[links.RECEIVED_AT] = float(received_at)
         return Message(RecordDict({P.UPLOAD_RECORD: ConfigRecord(record)}), reply_to=msg)
     state.reference, state.reference_info = received, info
     # the first reply after a full reference (or a chain from the seeded round-0 model) says what
@@ -295,6 +330,8 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
     rest = RecordDict({k: v for k, v in reply.content.items() if k != array_keys[0]})
     record = {P.ARRAYS_KEY: array_keys[0], P.DELTA_REF: ref, P.TIER: info[0], P.REF_VERSION: info[1],
               P.REF_CRC: info[2], P.WANT_TIER: want, **capabilities}
+    if estimated:
+        record[links.RECEIVED_AT] = float(received_at)
     if link is not None:
         reply.content = _budgeted_reply(
             state, cfg, upload.spec, link, delta, residual, codec_state, rest, record, nonce=nonce,

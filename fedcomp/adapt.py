@@ -32,7 +32,9 @@ Measured links (:class:`LinkEstimator`): per node and direction, the last `windo
 (bytes, seconds) are fitted to ``seconds = latency + bytes * 8 / (kbps * 1000)``: the latency by
 least squares whenever their sizes differ enough to tell it from bandwidth (kept until the next
 such fit), the bandwidth from the kept transfers' total bytes over their total time after
-latency. :class:`MeasuredBudgets` turns the estimates into upload byte budgets.
+latency. :class:`MeasuredBudgets` turns the estimates into upload byte budgets (:meth:`MeasuredBudgets.budget`)
+or into the link a client budgets from itself (:meth:`MeasuredBudgets.link`, what
+:mod:`fedcomp.strategies.measured` sends each node in Flower).
 """
 
 from __future__ import annotations
@@ -369,6 +371,18 @@ def _probe_update(layout, seed: int):
 
 
 # -- budgets from measured links ------------------------------------------------------------------------
+FAST_KBPS = 1e9  # a bandwidth that limits nothing (first contact: the byte cap does)
+
+
+def _sig(x: float, up: bool, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits, rounded up or down (short on the wire, margin kept)."""
+    if x <= 0:
+        return 0.0
+    scale = 10 ** (math.floor(math.log10(x)) - digits + 1)
+    return float((math.ceil if up else math.floor)(x / scale) * scale) if scale >= 1 else \
+        (math.ceil if up else math.floor)(x / scale) / round(1 / scale)
+
+
 @dataclass
 class MeasuredBudgets:
     """Per-node upload byte budgets from links measured by a :class:`LinkEstimator`, not declared.
@@ -413,6 +427,40 @@ class MeasuredBudgets:
         if down_bytes is not None and down_s is not None:
             self.estimator.observe(node, "down", down_bytes, down_s)
         self._largest[node] = max(self._largest.get(node, 0), int(up_bytes))
+
+    def _slack(self, node: int, direction: str) -> float:
+        u = self.estimator.uncertainty(node, direction)
+        return 1 + self.z * (self.prior if u is None else u)
+
+    def link(self, node: int):
+        """The link to send ``node`` for its next upload (:data:`fedcomp.links.ESTIMATE`): the
+        estimate with the margins of :meth:`budget` folded in, so that the client's own
+        :func:`fedcomp.links.upload_budget` (with the compute it measures) gives what
+        :meth:`budget` would: uplink kbps / slack, the upload's latency x slack, downlink kbps /
+        slack; until the upload latency is fitted a byte cap (slow start). First contact (nothing
+        measured): :data:`FAST_KBPS` both ways, no latency, a cap of ``first`` bytes: a small probe
+        whatever the link. A :class:`fedcomp.links.Link` has one latency for both directions (the
+        upload's here); an unfitted download latency sits in its lower-bound bandwidth instead."""
+        from fedcomp.links import Link
+
+        est = self.estimator
+        up, down = est.estimate(node, "up"), est.estimate(node, "down")
+        if up is None:
+            return Link(FAST_KBPS, FAST_KBPS, 0.0, byte_cap=self.first, deadline_s=self.deadline_s)
+        s_up = self._slack(node, "up")
+        cap = None
+        if (node, "up") not in est._latency:
+            cap = max(1, math.floor(self.growth * self._largest.get(node, self.first)))
+        if down is not None and (node, "down") not in est._latency and (node, "up") in est._latency:
+            # broadcasts are about one size, so their latency is rarely fitted: take the upload's
+            # (one latency per link, as the link model has), or the small ones read as a slow link;
+            # at most half of each transfer counts as latency: a latency-bound broadcast says little about
+            # bandwidth, and an over-estimate would move the node to a larger download tier
+            seen = est._seen[(node, "down")]
+            down = (sum(b for b, _ in seen) * 8 / sum(max(s - up[1], s / 2) for _, s in seen) / 1000, up[1])
+        downlink = FAST_KBPS if down is None else _sig(down[0] / self._slack(node, "down"), up=False)
+        return Link(_sig(up[0] / s_up, up=False), downlink, _sig(up[1] * s_up * 1000, up=True), byte_cap=cap,
+                    deadline_s=self.deadline_s)
 
     def budget(self, node: int, round: int, *, download_bytes: int, compute_s: float,
                declared: int | None = None) -> int:

@@ -99,6 +99,16 @@ PRESETS: dict[str, Link] = {
 }
 MIXED_WEIGHTS: dict[str, float] = {"datacenter": 0.1, "broadband": 0.3, "4g": 0.4, "3g-edge": 0.2}
 NONE = "none"  # link-profile value: no links, no budgets, no simulated time
+MEASURED = "measured"  # link-profile value: budgets from links the server measures ('measured:<profile>':
+# in a simulation whose network plays <profile>, hidden from the clients; fedcomp.strategies.measured)
+
+# Measured links (issue #17; fedcomp.adapt.MeasuredBudgets, fedcomp.strategies.measured): record keys
+ESTIMATE = "link-estimate"  # str (server -> client, in the download record): the link the server measured
+# for this node, as node-config text (margins applied); the client budgets from it when it declares no link
+RECEIVED_AT = "received-at"  # float (client -> server, in the upload record, estimated links only): the
+# client's wall clock (Unix seconds) when its mod received the broadcast
+NETSIM_RECORD = "fedcomp.netsim"  # ConfigRecord a simulated network adds to a reply: the hidden link's
+# transfer times (simulation only; the server's observer removes it before anything counts the reply)
 
 _KEYS = {"uplink-kbps": "uplink_kbps", "downlink-kbps": "downlink_kbps", "latency-ms": "latency_ms",
          "byte-cap": "byte_cap", "deadline-s": "deadline_s"}
@@ -213,10 +223,31 @@ def _is_table(profile: str) -> bool:
     return profile.endswith((".csv", ".toml"))
 
 
+def measured_profile(profile: str) -> str | None:
+    """The hidden profile of a measured-link profile: ``'measured'`` (a deployment: links measured
+    from message timestamps) -> ``'none'``; ``'measured:<profile>'`` (a simulation whose network
+    plays ``<profile>``, hidden from the clients) -> ``'<profile>'``; any other profile -> None."""
+    if profile == MEASURED:
+        return NONE
+    if profile.startswith(MEASURED + ":"):
+        return profile[len(MEASURED) + 1:]
+    return None
+
+
 def check_profile(profile: str) -> None:
-    """Raise LinkError unless ``profile`` is 'none', a preset, 'mixed' or an existing table file."""
+    """Raise LinkError unless ``profile`` is 'none', a preset, 'mixed', an existing table file, or
+    'measured' / 'measured:<one of those but none>'."""
     if profile in (NONE, "mixed") or profile in PRESETS:
         return
+    hidden = measured_profile(profile)
+    if hidden is not None:
+        if hidden != NONE and profile != MEASURED and measured_profile(hidden) is None:
+            check_profile(hidden)
+            return
+        if profile == MEASURED:
+            return
+        raise LinkError(f"link-profile {profile!r} is invalid: 'measured' (links measured in a deployment) or "
+                        f"'measured:<profile>' with a preset, 'mixed' or a table path as the simulation's hidden links")
     if _is_table(profile):
         load_table(profile)
         return
@@ -239,7 +270,7 @@ def link_for(partition_id: int, num_partitions: int, profile: str, seed: int = 0
     """
     if not 0 <= int(partition_id) < int(num_partitions):
         raise LinkError(f"partition-id {partition_id} is outside 0..{int(num_partitions) - 1}")
-    if profile == NONE:
+    if profile == NONE or measured_profile(profile) is not None:  # measured: the server's estimate, not this
         return None
     if profile in PRESETS:
         return PRESETS[profile]
@@ -323,7 +354,7 @@ def round_time(totals: Mapping[int, float],
 
 
 __all__ = [
-    "MIXED_WEIGHTS", "NONE", "PRESETS", "ClientTime", "Link", "LinkError", "check_profile", "client_time",
-    "link_for", "link_from_mapping", "link_from_node_config", "load_table", "mixed_preset", "resolve_link",
+    "MEASURED", "MIXED_WEIGHTS", "NONE", "PRESETS", "ClientTime", "Link", "LinkError", "check_profile", "client_time",
+    "link_for", "link_from_mapping", "link_from_node_config", "load_table", "measured_profile", "mixed_preset", "resolve_link",
     "round_time", "upload_budget", "with_deadline",
 ]

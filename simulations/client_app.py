@@ -15,6 +15,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedcomp.simulations.faults import faults_mod
+from fedcomp.simulations.netsim import netsim_mod
 from fedcomp.clients.mod import make_compression_mod, node_device
 from fedcomp.simulations import task
 
@@ -26,8 +27,9 @@ def initial_model(context: Context) -> dict[str, torch.Tensor]:
     return task.build_model(str(cfg["model"]), seed=int(cfg["seed"]), task=str(cfg.get("task", "digits"))).state_dict()
 
 
-# faults_mod is a no-op unless run config `faults` is set
-app = ClientApp(mods=[faults_mod, make_compression_mod(initial_model=initial_model)])
+# faults_mod is a no-op unless run config `faults` is set; netsim_mod unless link-profile='measured:<profile>'
+# (a measured-link simulation: it plays the hidden links)
+app = ClientApp(mods=[netsim_mod, faults_mod, make_compression_mod(initial_model=initial_model)])
 
 
 def validate_node_config(node_config) -> tuple[int, int]:

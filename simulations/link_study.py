@@ -77,8 +77,26 @@ def summarize(rows: list[dict], tol: float = 0.10) -> dict:
             "uploads_on_time": on_time, "within_10pct_from_round_5": sum(later) / len(later) if later else None}
 
 
+def from_results(path: str, tol: float = 0.10) -> dict:
+    """The same summary from a Flower run with hidden links (``link-profile='measured:<profile>'``): the
+    ``link_estimates`` of its results.json. Client-rounds whose declared-link budget is 0 (the
+    measured compute alone ran past the deadline: no budget to compare) are left out of the error."""
+    p = Path(path)
+    data = json.loads((p / "results.json" if p.is_dir() else p).read_text())
+    rows = [{**e, "on_time": not e.get("late", False)} for r in data["rounds"] for e in r.get("link_estimates", [])
+            if "true_link" in e]
+    if not rows:
+        raise SystemExit(f"{path}: no link_estimates with a true link: run with link-profile='measured:<profile>'")
+    compared = [r for r in rows if r.get("declared_budget")]
+    summary = summarize(compared, tol)
+    summary["uploads_on_time"] = sum(r["on_time"] for r in rows) / len(rows)
+    summary["client_rounds"], summary["compared"] = len(rows), len(compared)
+    return summary
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", help="summarize a Flower run with hidden links (its results.json or directory) instead")
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--deadline-s", type=float, default=12.0)
@@ -88,6 +106,15 @@ def main(argv=None) -> None:
                     help="relative error of measured times (and the compute's jitter); one run each, the first plotted")
     ap.add_argument("--out", default="simulations/figures/adapt")
     args = ap.parse_args(argv)
+    if args.results:
+        s = from_results(args.results)
+        settle = sorted(s["rounds_to_within_10pct"].values())
+        print(f"{args.results}: {s['client_rounds']} client-rounds ({s['compared']} with a declared-link budget > 0); "
+              f"every node's budget within 10% of its declared-link budget from round {settle[-1]} on (90% of nodes: "
+              f"round {settle[int(0.9 * len(settle))]}); within 10% from round 5: "
+              f"{100 * s['within_10pct_from_round_5']:.1f}%; uploads within the true link's deadline: "
+              f"{100 * s['uploads_on_time']:.2f}%")
+        return
     runs = {j: simulate(args.clients, args.rounds, args.deadline_s, args.download_bytes, args.max_upload, j)
             for j in args.jitter}
     summaries = {j: summarize(r["rows"]) for j, r in runs.items()}

@@ -28,6 +28,7 @@ from fedcomp import links
 from fedcomp.simulations import results, task
 from fedcomp.adapt import is_auto, without_auto
 from fedcomp.strategies.adaptive import AdaptiveStrategy
+from fedcomp.strategies.measured import MeasuredLinkStrategy
 from fedcomp.strategies.wrapper import CompressedStrategy
 
 app = ServerApp()
@@ -95,7 +96,8 @@ def validate_run_config(run_config) -> dict:
     _check(cfg, "aggregation", str, "'auto', 'decode' or 'sketch'", lambda v: v in ("auto", "decode", "sketch"))
     _check(cfg, "server-momentum", float, "a float in [0, 1)", lambda v: 0 <= v < 1)
     _check(cfg, "delta", float, "a float in [0, 1] (0: off)", lambda v: 0 <= v <= 1)
-    _check(cfg, "link-profile", str, f"'none', 'mixed', one of {sorted(links.PRESETS)}, or a .csv/.toml table path",
+    _check(cfg, "link-profile", str, f"'none', 'mixed', one of {sorted(links.PRESETS)}, a .csv/.toml table path, "
+           f"'measured' or 'measured:<one of those>'",
            lambda v: bool(v.strip()))
     try:
         links.check_profile(str(cfg["link-profile"]))
@@ -107,6 +109,13 @@ def validate_run_config(run_config) -> dict:
     if cfg["link-profile"] != links.NONE and _aggregation(cfg) == "sketch":
         raise ValueError(f"run config link-profile={cfg['link-profile']!r} needs aggregation='decode': budgets give "
                          f"clients sketches of different cols, which cannot be summed in sketch space")
+    if links.measured_profile(cfg["link-profile"]) is not None:  # budgets from links the server measures
+        if cfg["round-deadline-s"] <= 0:
+            raise ValueError(f"run config link-profile={cfg['link-profile']!r} needs round-deadline-s > 0: measured "
+                             f"links give budgets only against a deadline")
+        if cfg["upload"] == "auto":
+            raise ValueError(f"run config link-profile={cfg['link-profile']!r} needs an explicit upload codec with a "
+                             f"budget knob, e.g. \"topk(ratio=0.01,index='fixed')+qsgd(bits=4)\" (got upload='auto')")
     _check(cfg, "max-update-norm", float, "a finite float >= 0 (0: off)", lambda v: 0 <= v < float("inf"))
     _check(cfg, "round-timeout", float, "seconds > 0 the server waits for a round's replies", lambda v: 0 < v < float("inf"))
     _check(cfg, "faults", str, "'' (off) or fault items such as 'crash=0.1,garbage=0.05,slow=0.05,absent=2-4'",
@@ -164,7 +173,8 @@ def main(grid: Grid, context: Context) -> None:
         delta=float(cfg["delta"]),
         download_tier_kbps=str(cfg["download-tier-kbps"]),
         download_max_stale=int(cfg["download-max-stale"]),
-        link_profile=str(cfg["link-profile"]),
+        # measured links: the profile (if any) is the simulated network's hidden truth, not told to clients
+        link_profile=links.NONE if links.measured_profile(cfg["link-profile"]) is not None else str(cfg["link-profile"]),
         round_deadline_s=float(cfg["round-deadline-s"]),
         budget_fallback=str(cfg["budget-fallback"]),
         streaming=bool(cfg["streaming"]),
@@ -172,6 +182,9 @@ def main(grid: Grid, context: Context) -> None:
         seeded_init=True,  # the ClientApp builds the round-0 model from the seed (make_compression_mod)
     )
     compressed = strategy.compressed if adaptive else strategy
+    measured = None
+    if links.measured_profile(cfg["link-profile"]) is not None:  # budgets from links the server measures
+        strategy = measured = MeasuredLinkStrategy(strategy, float(cfg["round-deadline-s"]))
     rounds: list[dict] = []
     log(INFO, "fedcomp: results go to %s", out_dir / "results.json")
     clock = [time.perf_counter()]  # when the previous round's evaluation began: the server's time per round
@@ -198,6 +211,11 @@ def main(grid: Grid, context: Context) -> None:
             "server_round_s": round_s, "server_rss_mb": _rss_mb(),
             "server_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
+        if measured is not None:  # per node: estimate sent, transfers observed, budgets (and in simulation the truth)
+            row["link_estimates"] = measured.estimates_of(server_round)
+            true_time = measured.true_round_time(server_round)
+            if true_time is not None:  # simulated time on the hidden links, not on the estimates clients report
+                row["sim_time_s_estimated_links"], row["sim_time_s"] = row["sim_time_s"], true_time
         strength = strategy.strength_of(server_round) if adaptive else None
         if strength is not None:  # the round's concrete upload spec and the controller's budget
             row.update(upload_spec=strength["spec"], strength=strength[strategy.auto.param],

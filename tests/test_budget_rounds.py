@@ -213,3 +213,7 @@ def test_results_checks_from_round_records():
     assert skipped(rounds) == 1 and late(rounds) == 2
     assert series(rounds) == ([2.0, 3.5], [50.0, 90.0])
     assert time_to(rounds, 0.9) == 3.5 and time_to(rounds, 0.95) is None
+    # measured hidden links: lateness on the true links (link_estimates), not on the estimates clients reported
+    rounds[1]["link_estimates"] = [{"node": 1, "true_link": "uplink-kbps=1 downlink-kbps=1", "late": True},
+                                   {"node": 2, "true_link": "uplink-kbps=1 downlink-kbps=1", "late": True}]
+    assert late(rounds) == 1 + 2

@@ -138,13 +138,36 @@ def _check_run(run: deploy.RunResult, rounds: int) -> None:
     assert [r.round for r in run.rounds] == list(range(1, rounds + 1))
 
 
+MEASURED = "link-profile='measured' round-deadline-s=600.0"  # a deadline no loopback round comes near
+
+
+def _check_estimates(run: deploy.RunResult, rounds: int) -> None:
+    """Measured links on loopback: every node's transfers were timed and its estimate recorded,
+    every round; its upload fit the budget the estimate gave (round 1: the first-contact probe)."""
+    for r in run.results["rounds"]:
+        rows = r["link_estimates"]
+        assert sorted(e["node"] for e in rows) == sorted(c["node"] for c in r["clients"]), rows
+        for e in rows:
+            assert e["status"] == "ok" and e["budget_status"] == "ok", e
+            assert e["observed_down_s"] > 0 and e["observed_up_s"] > 0, e
+            assert e["est_up_kbps"] > 0 and e["est_down_kbps"] > 0 and e["est_up_latency_s"] >= 0, e
+            assert 0 < e["upload_bytes"] <= e["budget"], e
+            if r["round"] == 1:
+                assert "byte-cap=4096" in e["sent_link"] and e["budget"] == 4096, e
+    assert len(run.results["rounds"]) == rounds
+
+
 @pytest.mark.slow
 def test_insecure_deployment_compressed_vs_dense(tmp_path):
     with deploy.deployment(tmp_path / "deploy", CLIENTS) as dep:
         assert len(set(dep.activated_nodes())) == CLIENTS
         common = f"num-server-rounds={ROUNDS} model='mlp-large'"
-        compressed = deploy.run_app(dep, f"{common} upload='{COMPRESSED}'", tmp_path / "compressed", timeout=300)
+        # the compressed run also measures the nodes' links (link-profile='measured': nothing declared; the
+        # server times each transfer and sends each node its estimate; first contact: a 4 kB probe)
+        compressed = deploy.run_app(dep, f"{common} upload='{COMPRESSED}' {MEASURED}", tmp_path / "compressed",
+                                    timeout=300)
         _check_run(compressed, ROUNDS)
+        _check_estimates(compressed, ROUNDS)
         dense = deploy.run_app(dep, f"{common} upload='none()'", tmp_path / "dense", timeout=300)
         _check_run(dense, ROUNDS)
         for run in (compressed, dense):  # Flower starts one ClientApp process per message
