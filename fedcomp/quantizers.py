@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedcomp import kernels
 from fedcomp.base import Knob, Quantizer, block_size, blocks, register
 from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits, unpack_codes, unpack_flags
 from fedcomp.errors import DecodeError
@@ -57,8 +59,7 @@ class _EntropyCoded:
         if self.config.coding == "ans":  # type: ignore[attr-defined]
             from fedcomp.entropy import ans_read
 
-            codes = ans_read(src, count, bits).to(device)
-            return lambda lo, hi: codes[lo:hi]
+            return _Codes(ans_read(src, count, bits).to(device), count, 8)
         return _packed_reader(src, count, bits, device)
 
 
@@ -208,11 +209,22 @@ class Values:
     :meth:`dense`, which is what the quantizer's ``decode`` returns (elementwise arithmetic only).
     """
 
-    def __init__(self, count: int, unit: int, build, device: torch.device) -> None:
+    def __init__(self, count: int, unit: int, build, device: torch.device, add=None) -> None:
         self.numel = count
         self.unit = max(1, unit)
         self._build = build
         self.device = torch.device(device)
+        self._add = add  # fused loop (lo, hi, float64 numpy sum slice, weight) for lo a multiple of unit
+
+    def add_to(self, lo: int, hi: int, target: torch.Tensor, weight: float) -> bool:
+        """``target += weight * values[lo:hi]`` (target: a float64 CPU tensor of ``hi - lo``) in one
+        fused loop (:mod:`fedcomp.kernels`), the same bits as adding :meth:`chunk`'s values with
+        ``add_(alpha=weight)`` for integer weights below 2**29; False (nothing done) where there is
+        no such loop (no numba, another device or dtype)."""
+        if self._add is None or target.dtype != torch.float64 or target.device.type != "cpu":
+            return False
+        self._add(lo, hi, target.numpy(), float(weight))
+        return True
 
     @classmethod
     def of(cls, values: torch.Tensor) -> "Values":
@@ -253,15 +265,63 @@ def read_values(quantizer: Quantizer, src: Reader, count: int, device: torch.dev
     return Values.of(quantizer.decode(src, count, device))
 
 
-def _packed_reader(src: Reader, count: int, bits: int, device: torch.device):
-    """(lo, hi) -> uint8 codes of elements [lo, hi) of a packed stream, for lo * bits a multiple
-    of 8; reads (and length-checks) the stream now, unpacks on demand."""
-    data = src.take(packed_bytes(count, bits))
+class _Codes:
+    """uint8 codes of a segment: ``codes(lo, hi)`` as a tensor on the device, ``codes.host(lo,
+    hi)`` as a numpy array (CPU kernels), for lo * bits a multiple of 8. Packed codes (``bits`` <
+    8 or a payload view) stay packed until asked for."""
 
-    def codes(lo: int, hi: int) -> torch.Tensor:
-        a = lo * bits // 8
-        return unpack_codes(data[a:a + packed_bytes(hi - lo, bits)].to(device), hi - lo, bits)
-    return codes
+    def __init__(self, data: torch.Tensor, count: int, bits: int) -> None:
+        self.data, self.count, self.bits = data, count, bits
+        self._np = None
+        self._buf = None
+
+    def __call__(self, lo: int, hi: int) -> torch.Tensor:
+        if self.bits == 8:
+            return self.data[lo:hi]
+        a = lo * self.bits // 8
+        return unpack_codes(self.data[a:a + packed_bytes(hi - lo, self.bits)], hi - lo, self.bits)
+
+    def host(self, lo: int, hi: int, k) -> np.ndarray:
+        if self._np is None:
+            self._np = self.data.numpy()
+        if self.bits == 8:
+            return self._np[lo:hi]
+        if self._buf is None or self._buf.shape[0] < hi - lo:
+            self._buf = np.empty(max(hi - lo, 1 << 16), dtype=np.uint8)
+        a = lo * self.bits // 8
+        k.unpack(self._np[a:a + packed_bytes(hi - lo, self.bits)], hi - lo, self.bits, self._buf)
+        return self._buf[:hi - lo]
+
+
+def _packed_reader(src: Reader, count: int, bits: int, device: torch.device) -> "_Codes":
+    """The codes of elements of a packed stream (:class:`_Codes`); reads (and length-checks) the
+    stream now, unpacks on demand."""
+    data = src.take(packed_bytes(count, bits))
+    if bits == 8:  # the codes are the bytes: copied to the device once (a view on the CPU)
+        return _Codes(data.to(device), count, 8)
+    return _Codes(data if device.type == "cpu" else data.to(device), count, bits)
+
+
+_NO32 = np.empty(0, dtype=np.float32)
+_NO64 = np.empty(0, dtype=np.float64)
+
+
+def _fused(device: torch.device, unit: int, run):
+    """(build, add) for :class:`Values` from ``run(a, b, i0, i1, out, s, w, add)``, a kernel call
+    over elements [a + i0, a + i1) with ``a`` a multiple of ``unit``; (None, None) off the CPU or
+    without kernels."""
+    if device.type != "cpu" or kernels.get() is None:
+        return None, None
+
+    def build(lo: int, hi: int) -> torch.Tensor:
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        run(lo, hi, 0, hi - lo, out.numpy(), _NO64, 0.0, False)
+        return out
+
+    def add(lo: int, hi: int, s: np.ndarray, w: float) -> None:
+        a = lo - lo % unit
+        run(a, hi, lo - a, hi - a, _NO32, s, w, True)
+    return build, add
 
 
 def _block_unit(count: int, block: int) -> int:
@@ -307,7 +367,13 @@ class Identity(Quantizer):
 
     def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
         data = src.take(4 * count)  # a view of the payload: copied chunk by chunk
-        return Values(count, 1, lambda lo, hi: data[4 * lo:4 * hi].clone().view(torch.float32).to(device), device)
+        add = None
+        if device.type == "cpu" and (k := kernels.get()) is not None:
+            raw = data.numpy()
+
+            def add(lo: int, hi: int, s: np.ndarray, w: float) -> None:
+                k.add_f32(raw[4 * lo:4 * hi].view(np.float32), s, w)
+        return Values(count, 1, lambda lo, hi: data[4 * lo:4 * hi].clone().view(torch.float32).to(device), device, add)
 
 
 class _HalfFloat(Quantizer):
@@ -343,7 +409,24 @@ class _HalfFloat(Quantizer):
 
     def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
         data = src.take(2 * count)
-        return Values(count, 1, lambda lo, hi: data[2 * lo:2 * hi].clone().view(self.dtype).to(device).float(), device)
+        add = None
+        if device.type == "cpu" and (k := kernels.get()) is not None:
+            raw, table = data.numpy(), _half_table(self.dtype)
+
+            def add(lo: int, hi: int, s: np.ndarray, w: float) -> None:
+                k.add_u16(raw[2 * lo:2 * hi].view(np.uint16), table, s, w)
+        return Values(count, 1, lambda lo, hi: data[2 * lo:2 * hi].clone().view(self.dtype).to(device).float(), device,
+                      add)
+
+
+_HALF_TABLES: dict = {}
+
+
+def _half_table(dtype: torch.dtype) -> np.ndarray:
+    """The fp32 value of each of the 65,536 bit patterns of fp16 / bf16 (torch's conversion)."""
+    if dtype not in _HALF_TABLES:
+        _HALF_TABLES[dtype] = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype).float().numpy()
+    return _HALF_TABLES[dtype]
 
 
 @register
@@ -430,7 +513,15 @@ class Sign(Quantizer):
             # +-scale per block: (1 - 2 negative) * scale is exactly _expand's where(negative, -s, s)
             y = negative.to(torch.float32).mul_(-2).add_(1)
             return _per_block_(y, block, scale[lo // size:])
-        return Values(count, _block_unit(count, block), build, device)
+        unit = _block_unit(count, block)
+        if device.type == "cpu" and (k := kernels.get()) is not None:
+            flags, sc = _Codes(data, count, 1), scale.numpy()
+
+            def run(a, b, i0, i1, out, s, w, add):  # a: a multiple of 8 elements and of the block
+                k.sign(flags.host(a, b, k), sc[a // size:], size, i0, i1, out, s, w, add)
+            fast, add = _fused(device, unit, run)
+            return Values(count, unit, fast, device, add)
+        return Values(count, unit, build, device)
 
 
 class FixedSign(Quantizer):
@@ -616,7 +707,15 @@ class KBit(_EntropyCoded, Quantizer):
         def build(lo: int, hi: int) -> torch.Tensor:
             b = lo // size
             return self._values(codes(lo, hi), lo_[b:], scale[b:], hi - lo)
-        return Values(count, _block_unit(count, block), build, device)
+        unit = _block_unit(count, block)
+        if device.type == "cpu" and (k := kernels.get()) is not None:
+            lo_np, scale_np = lo_.numpy(), scale.numpy()
+
+            def run(a, b, i0, i1, out, s, w, add):
+                k.kbit(codes.host(a, b, k), lo_np[a // size:], scale_np[a // size:], size, i0, i1, out, s, w, add)
+            fast, add = _fused(device, unit, run)
+            return Values(count, unit, fast, device, add)
+        return Values(count, unit, build, device)
 
 
 @register
@@ -729,7 +828,15 @@ class QSGD(_EntropyCoded, Quantizer):
         def build(lo: int, hi: int) -> torch.Tensor:
             c = codes(lo, hi)
             return self._values(norm[lo // size:], c & ((1 << top) - 1), c >> top, hi - lo)
-        return Values(count, _block_unit(count, bucket), build, device)
+        unit = _block_unit(count, bucket)
+        if device.type == "cpu" and (k := kernels.get()) is not None:
+            per_level = (norm / self.levels).numpy()  # the fp32 division _values does
+
+            def run(a, b, i0, i1, out, s, w, add):
+                k.qsgd(codes.host(a, b, k), per_level[a // size:], top, size, i0, i1, out, s, w, add)
+            fast, add = _fused(device, unit, run)
+            return Values(count, unit, fast, device, add)
+        return Values(count, unit, build, device)
 
 
 @register

@@ -1,0 +1,210 @@
+"""The numba loops behind :mod:`fedcomp.kernels` (imported only through ``kernels.get()``).
+
+Conventions: ``codes`` are uint8 codes of a run of elements starting at a block boundary (index
+0 = the first element of block 0 of the parameter arrays passed); a kernel handles elements
+[i0, i1) of that run and writes output element ``i - i0``. ``s`` is a float64 slice of the running
+sum, ``w`` the weight; ``out`` an fp32 buffer. fp32 arithmetic is written operation by operation
+as the torch path does it (no fast-math: each product and sum is rounded, nothing contracted).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_F32 = np.float32
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a * b + c rounded once (llvm.fma.f64): the sum step torch's ``add_(v, alpha=w)`` does on
+    the CPU, so sums match it for every weight, not only where ``w * v`` is exact."""
+    sig = types.float64(types.float64, types.float64, types.float64)
+
+    def codegen(context, builder, signature, args):
+        double = ir.DoubleType()
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(double, [double] * 3), "llvm.fma.f64")
+        return builder.call(fma, args)
+    return sig, codegen
+
+
+# -- codes -------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def unpack(data, count, bits, out):
+    """MSB-first packed codes of ``bits`` (1..8) bits -> out[:count] (uint8)."""
+    if bits == 8:
+        for i in range(count):
+            out[i] = data[i]
+    elif bits == 4:
+        half = count >> 1
+        for j in range(half):
+            b = data[j]
+            out[2 * j] = b >> 4
+            out[2 * j + 1] = b & 15
+        if count & 1:
+            out[count - 1] = data[half] >> 4
+    elif bits == 2:
+        full = count >> 2
+        for j in range(full):
+            b = data[j]
+            out[4 * j] = b >> 6
+            out[4 * j + 1] = (b >> 4) & 3
+            out[4 * j + 2] = (b >> 2) & 3
+            out[4 * j + 3] = b & 3
+        for i in range(4 * full, count):
+            out[i] = (data[i >> 2] >> (6 - 2 * (i & 3))) & 3
+    elif bits == 1:
+        full = count >> 3
+        for j in range(full):
+            b = data[j]
+            for k in range(8):
+                out[8 * j + k] = (b >> (7 - k)) & 1
+        for i in range(8 * full, count):
+            out[i] = (data[i >> 3] >> (7 - (i & 7))) & 1
+    else:
+        mask = (1 << bits) - 1
+        n = data.shape[0]
+        for i in range(count):
+            pos = i * bits
+            b = pos >> 3
+            off = pos & 7
+            word = np.int32(data[b]) << 8
+            if b + 1 < n:
+                word |= np.int32(data[b + 1])
+            out[i] = (word >> (16 - off - bits)) & mask
+
+
+# -- dequantize (out) or dequantize and add (s += w * value) ------------------------------------
+# Inner loops run over local slices from index 0: the form LLVM vectorizes (about 4x faster).
+@njit(cache=True, nogil=True)
+def kbit(codes, lo, scale, size, i0, i1, out, s, w, add):
+    """value = fp32(code) * scale[b] + lo[b] (two fp32 roundings, as KBit._values)."""
+    b = i0 // size
+    i = i0
+    while i < i1:
+        e = min(i1, (b + 1) * size)
+        sc = scale[b]
+        mn = lo[b]
+        c = codes[i:e]
+        if add:
+            t = s[i - i0:e - i0]
+            for j in range(e - i):
+                t[j] = _fma(w, np.float64(_F32(c[j]) * sc + mn), t[j])
+        else:
+            o = out[i - i0:e - i0]
+            for j in range(e - i):
+                o[j] = _F32(c[j]) * sc + mn
+        i = e
+        b += 1
+
+
+@njit(cache=True, nogil=True)
+def qsgd(codes, unit, top, size, i0, i1, out, s, w, add):
+    """value = fp32(+-(code & (2**top - 1))) * unit[b], the sign in bit ``top`` (QSGD._values;
+    ``unit`` = norm / levels, computed in fp32 by the caller). A level of 0 is +0.0 either sign."""
+    mask = (1 << top) - 1
+    b = i0 // size
+    i = i0
+    while i < i1:
+        e = min(i1, (b + 1) * size)
+        u = unit[b]
+        c = codes[i:e]
+        if add:
+            t = s[i - i0:e - i0]
+            for j in range(e - i):
+                cj = np.int32(c[j])
+                lv = cj & mask
+                t[j] = _fma(w, np.float64(_F32(-lv if (cj >> top) else lv) * u), t[j])
+        else:
+            o = out[i - i0:e - i0]
+            for j in range(e - i):
+                cj = np.int32(c[j])
+                lv = cj & mask
+                o[j] = _F32(-lv if (cj >> top) else lv) * u
+        i = e
+        b += 1
+
+
+@njit(cache=True, nogil=True)
+def sign(flags, scale, size, i0, i1, out, s, w, add):
+    """value = -scale[b] where the (unpacked) sign flag is set, else scale[b] (Sign's values)."""
+    b = i0 // size
+    i = i0
+    while i < i1:
+        e = min(i1, (b + 1) * size)
+        sc = scale[b]
+        c = flags[i:e]
+        if add:
+            t = s[i - i0:e - i0]
+            for j in range(e - i):
+                t[j] = _fma(w, np.float64(-sc if c[j] else sc), t[j])
+        else:
+            o = out[i - i0:e - i0]
+            for j in range(e - i):
+                o[j] = -sc if c[j] else sc
+        i = e
+        b += 1
+
+
+@njit(cache=True, nogil=True)
+def add_f32(values, s, w):
+    """s += w * float64(values), one rounding per element (as torch's add_(values, alpha=w))."""
+    for j in range(values.shape[0]):
+        s[j] = _fma(w, np.float64(values[j]), s[j])
+
+
+@njit(cache=True, nogil=True)
+def add_u16(bits16, table, s, w):
+    """s += w * float64(table[bits16]): fp16 / bf16 values through a 65,536-entry fp32 table."""
+    for j in range(bits16.shape[0]):
+        s[j] = _fma(w, np.float64(table[bits16[j]]), s[j])
+
+
+@njit(cache=True, nogil=True)
+def lowrank(p, qt, m, lo, hi, out, s, w, add):
+    """Elements [lo, hi) of P Q^T (n x m, row-major), summed rank-1 term by term in order with
+    each product and sum rounded to fp32 (powersgd.reconstruct); ``qt`` is Q^T (r x m)."""
+    r = p.shape[1]
+    row = np.empty(m, dtype=np.float32)
+    i = lo // m
+    e = lo
+    while e < hi:
+        j0 = e - i * m
+        j1 = min(m, hi - i * m)
+        n = j1 - j0
+        v = row[:n]
+        q0 = qt[0, j0:j1]
+        p0 = p[i, 0]
+        for j in range(n):
+            v[j] = p0 * q0[j]
+        for k in range(1, r):
+            qk = qt[k, j0:j1]
+            pk = p[i, k]
+            for j in range(n):
+                v[j] = v[j] + pk * qk[j]
+        a = e - lo
+        if add:
+            t = s[a:a + n]
+            for j in range(n):
+                t[j] = _fma(w, np.float64(v[j]), t[j])
+        else:
+            o = out[a:a + n]
+            for j in range(n):
+                o[j] = v[j]
+        e = i * m + j1
+        i += 1
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def sumsq(v):
+    """Sum of float64(v[j])**2 (v: fp32 or fp64). Reassociation only (no other fast-math): the
+    loop is vectorized with partial sums, so the last bits depend on the CPU's vector width (as
+    torch's reductions do), not on anything else."""
+    t = 0.0
+    for j in range(v.shape[0]):
+        x = np.float64(v[j])
+        t += x * x
+    return t

@@ -1,0 +1,50 @@
+"""Fused CPU loops for the server's decode + add path (numba), with the bits of the torch path.
+
+Why: a dense reply is dequantized chunk by chunk and added into a float64 running sum. In eager
+torch that is 6-10 passes per value (unpack, cast, scale, offset, cast to float64, multiply by
+the weight, add), each over a fresh or chunk-sized temporary. One loop per chunk that reads the
+codes, forms the fp32 value with the same fp32 operations in the same order, and adds
+``w * float64(value)`` into the sum does one pass. Every value has the bits the torch path gives
+it (fp32 products and sums rounded one by one: numba compiles without fast-math, so nothing is
+contracted), and ``w * value`` is exact in float64 for integer weights below 2**29, so the sum has
+the same bits too.
+
+Used only for CPU tensors and only where numba is installed (:func:`get` returns None
+otherwise, or when ``FEDCOMP_KERNELS=0``); every caller keeps its torch path, which CUDA tensors
+always take. numba is imported on first use, never at ``import fedcomp`` (about 0.35 s after
+torch); compiled loops are cached on disk (``cache=True``), so a fresh process loads them instead
+of compiling.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+_KERNELS: object | None = None
+_TRIED = False
+
+
+def enabled() -> bool:
+    return os.environ.get("FEDCOMP_KERNELS", "1") != "0"
+
+
+def get():
+    """The compiled kernels (a module-like namespace), or None (numba missing or turned off)."""
+    global _KERNELS, _TRIED
+    if not enabled():
+        return None
+    if not _TRIED:
+        _TRIED = True
+        try:
+            from fedcomp import _numba_kernels as k
+        except ImportError:  # numba is a declared dependency; without it the torch paths run
+            k = None
+        _KERNELS = k
+    return _KERNELS
+
+
+def cpu_array(t) -> np.ndarray:
+    """A torch CPU tensor's numpy view (no copy; read-only payload views included)."""
+    return t.detach().numpy()

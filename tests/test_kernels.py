@@ -1,0 +1,90 @@
+"""The fused CPU loops (fedcomp.kernels, numba) give the bits of the torch path they replace:
+decoded values, sums for any weight (integer or not), and norms to the last few ulps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fedcomp
+from fedcomp import aggregate, kernels, quantizers
+from fedcomp.aggregate import Accumulator
+
+pytestmark = pytest.mark.skipif(kernels.get() is None, reason="numba not installed")
+
+SPECS = [
+    "none()", "fp16()", "bf16()", "sign()", "sign(block=100)", "kbit(bits=4)", "kbit(bits=8)", "kbit(bits=1)",
+    "kbit(bits=2)", "kbit(bits=3,block=100)", "kbit(bits=7,block=33)", "kbit(bits=5,block=0,stochastic=true)",
+    "kbit(bits=4,coding='ans')", "qsgd(bits=4)", "qsgd(bits=2)", "qsgd(bits=8)", "qsgd(bits=3,bucket=77)",
+    "qsgd(bits=6,bucket=0,norm='l2')", "powersgd(rank=2)", "powersgd(rank=1)",
+    "powersgd(rank=3,min_compression=0)+qsgd(bits=8)",
+]
+WEIGHTS = (1, 3.0, 0.3, 1e-7, 12345)
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(71, 47, generator=g), "b": torch.randn(5, generator=g),
+            "h": torch.randn(33, 9, generator=g).half(), "d": torch.randn(4, 3, 7, generator=g).double(),
+            "z": torch.zeros(100), "n": torch.tensor([seed], dtype=torch.int64)}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]) if t.is_floating_point() else t
+
+
+def _run(spec: str):
+    codec = fedcomp.build_codec(spec)
+    layout = fedcomp.Layout.of(_model(0))
+    acc = Accumulator(codec, layout)
+    decoded, norms = [], []
+    for i, w in enumerate(WEIGHTS, start=1):
+        payload = codec.encode(_model(i), nonce=i, round=1, state={}).payload
+        decoded.append(codec.decode(payload, layout, round=1))
+        update = acc.decode(payload, round=1)
+        norms.append(update.norm())
+        acc.add_update(update, w)
+    return decoded, norms, acc.sum()
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_kernels_give_the_torch_paths_bits(spec, monkeypatch):
+    monkeypatch.setattr(aggregate, "CHUNK", 600)  # chunks start inside blocks and tensors
+    monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 1000)
+    monkeypatch.setenv("FEDCOMP_KERNELS", "0")
+    ref = _run(spec)
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    got = _run(spec)
+    for a, b in zip(ref[0], got[0]):
+        for name in a:
+            assert torch.equal(_bits(a[name]), _bits(b[name])), name
+    for name in ref[2]:  # FMA like torch's add_(alpha=w): the same sum for non-integer weights too
+        assert torch.equal(_bits(ref[2][name]), _bits(got[2][name])), name
+    for a, b in zip(ref[1], got[1]):  # reduction order differs: the last bits only
+        assert math.isclose(a, b, rel_tol=1e-12)
+
+
+def test_kernel_norm_refuses_non_finite(monkeypatch):
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    codec = fedcomp.build_codec("none()")
+    layout = fedcomp.Layout.of({"x": torch.zeros(3000)})
+    x = torch.randn(3000)
+    x[2999] = float("inf")
+    acc = Accumulator(codec, layout)
+    with pytest.raises(aggregate.UpdateRejected):
+        acc.add(codec.encode({"x": x}).payload, 1.0)
+    assert acc.count == 0
+
+
+def test_unpack_matches_unpack_codes():
+    k = kernels.get()
+    g = torch.Generator().manual_seed(0)
+    for bits in range(1, 9):
+        for count in (1, 7, 8, 9, 100, 1001):
+            codes = torch.randint(0, 1 << bits, (count,), generator=g, dtype=torch.int64)
+            packed = quantizers.pack_bits(codes, bits)
+            out = torch.empty(count, dtype=torch.uint8)
+            k.unpack(packed.numpy(), count, bits, out.numpy())
+            assert torch.equal(out.long(), codes), (bits, count)
