@@ -164,10 +164,17 @@ def add_u16(bits16, table, s, w):
 
 
 @njit(cache=True, nogil=True)
-def lowrank(p, qt, m, lo, hi, out, s, w, add):
+def lut_u16(bits16, table, out):
+    """out = table[bits16] (fp16 / bf16 bit patterns to fp32)."""
+    for j in range(bits16.shape[0]):
+        out[j] = table[bits16[j]]
+
+
+@njit(cache=True, nogil=True)
+def lowrank(p, qt, r, m, lo, hi, out, s, w, add):
     """Elements [lo, hi) of P Q^T (n x m, row-major), summed rank-1 term by term in order with
-    each product and sum rounded to fp32 (powersgd.reconstruct); ``qt`` is Q^T (r x m)."""
-    r = p.shape[1]
+    each product and sum rounded to fp32 (powersgd.reconstruct). ``p``: P flat (n * r, row-major),
+    ``qt``: Q^T flat (r * m): 1-D slices, the form LLVM vectorizes."""
     row = np.empty(m, dtype=np.float32)
     i = lo // m
     e = lo
@@ -176,13 +183,13 @@ def lowrank(p, qt, m, lo, hi, out, s, w, add):
         j1 = min(m, hi - i * m)
         n = j1 - j0
         v = row[:n]
-        q0 = qt[0, j0:j1]
-        p0 = p[i, 0]
+        q0 = qt[j0:j1]
+        p0 = p[i * r]
         for j in range(n):
             v[j] = p0 * q0[j]
         for k in range(1, r):
-            qk = qt[k, j0:j1]
-            pk = p[i, k]
+            qk = qt[k * m + j0:k * m + j1]
+            pk = p[i * r + k]
             for j in range(n):
                 v[j] = v[j] + pk * qk[j]
         a = e - lo

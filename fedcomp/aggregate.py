@@ -227,6 +227,12 @@ class _Expanded:
         add = getattr(self.reducer, "add_range", None)
         return add is not None and add(self.values, self.aux, self.seg, lo, hi, target, weight)
 
+    def sq(self, lo: int, hi: int) -> float | None:
+        """Sum of squares of ``chunk(lo, hi)`` without fresh memory where the reducer can
+        (``sq_range``); None otherwise."""
+        sq = getattr(self.reducer, "sq_range", None)
+        return None if sq is None else sq(self.values, self.aux, self.seg, lo, hi)
+
     def release(self) -> None:
         self._y = None
 
@@ -248,6 +254,15 @@ def _fused_chunks(source, start: int, offset: int, numel: int, dtype: torch.dtyp
             yield start + lo, source.chunk(lo, hi).to(dtype)
 
 
+def _square_chunks(source, start: int, offset: int, numel: int, dtype: torch.dtype):
+    """:func:`_tensor_chunks` with each chunk's sum of squares (float) in place of its values
+    where ``source.sq`` computes it."""
+    for i in range(0, numel, CHUNK):
+        lo, hi = offset + i, offset + min(numel, i + CHUNK)
+        sq = source.sq(lo, hi)
+        yield start + lo, (sq if sq is not None else source.chunk(lo, hi).to(dtype))
+
+
 @dataclass
 class Update:
     """One decoded, checked reply, in its compact form.
@@ -265,16 +280,19 @@ class Update:
     _norm: float | None = None
     lazy: list[tuple[int, object, list]] = field(default_factory=list)
 
-    def _lazy_tensors(self, fused=None):
+    def _lazy_tensors(self, fused=None, squares: bool = False):
         """(name, chunks) per tensor of the lazy segments; chunks as :func:`_tensor_chunks`.
 
         ``fused``: (per-tensor float64 sums, weight): a chunk whose source adds it into the sum
         in one loop (``source.add_to``: fp32/fp64 tensors, CPU kernels) is added here and not
-        yielded."""
+        yielded. ``squares``: a chunk's sum of squares (a float) instead of its values where the
+        source computes it in place (``source.sq``: fp32/fp64 tensors, CPU kernels)."""
         for start, source, tensors in self.lazy:
             offset = 0
             for name, numel, dtype in tensors:  # each tensor in its dtype, as Codec.decode returns it
-                if fused is not None and dtype in (torch.float32, torch.float64) and hasattr(source, "add_to"):
+                if squares and dtype in (torch.float32, torch.float64) and hasattr(source, "sq"):
+                    yield name, _square_chunks(source, start, offset, numel, dtype)
+                elif fused is not None and dtype in (torch.float32, torch.float64) and hasattr(source, "add_to"):
                     yield name, _fused_chunks(source, start, offset, numel, dtype, fused[0][name], fused[1])
                 else:
                     yield name, _tensor_chunks(source, start, offset, numel, dtype)
@@ -297,12 +315,12 @@ class Update:
             total = 0.0
             for _, _, v in self.parts:
                 total += _sq_norm(v)
-            for name, chunks in self._lazy_tensors():
+            for name, chunks in self._lazy_tensors(squares=True):
                 sq = 0.0  # per tensor, chunk by chunk: the sum _sq_norm forms for a dense tensor
                 for _, v in chunks:
                     # squares of decoded (fp32-range) values cannot overflow in float64: the
                     # chunk's norm is finite exactly when all its values are
-                    part = _chunk_sq(v)
+                    part = v if isinstance(v, float) else _chunk_sq(v)
                     if not math.isfinite(part):
                         raise UpdateRejected(f"update of {name!r} has NaN or Inf values")
                     sq += part

@@ -227,7 +227,7 @@ class PowerSGD(Reducer):
         n, m, r = f
         if values.device.type == "cpu" and (k := kernels.get()) is not None:
             out = torch.empty(hi - lo, dtype=torch.float32)
-            k.lowrank(*self._host_factors(values, n, m, r), m, lo, hi, out.numpy(), _NO64, 0.0, False)
+            k.lowrank(*self._host_factors(values, n, m, r), r, m, lo, hi, out.numpy(), _NO64, 0.0, False)
             return out
         a, b = lo // m, -(-hi // m)
         y = reconstruct(values[: n * r].view(n, r)[a:b], values[n * r:].view(m, r)).reshape(-1)
@@ -248,13 +248,27 @@ class PowerSGD(Reducer):
             k.add_f32(values[lo:hi].numpy(), target.numpy(), float(weight))
             return True
         n, m, r = f
-        k.lowrank(*self._host_factors(values, n, m, r), m, lo, hi, _NO32, target.numpy(), float(weight), True)
+        k.lowrank(*self._host_factors(values, n, m, r), r, m, lo, hi, _NO32, target.numpy(), float(weight), True)
         return True
+
+    def sq_range(self, values: torch.Tensor, aux: Any, seg: Segment, lo: int, hi: int) -> float | None:
+        """Sum of squares (float64) of ``expand_range(...)`` built in a reused buffer (CPU kernels;
+        None where there are none)."""
+        k = kernels.get() if values.device.type == "cpu" else None
+        if k is None:
+            return None
+        f = self.factors(seg)
+        if f is None:
+            return float(k.sumsq(values[lo:hi].numpy()))
+        n, m, r = f
+        buf = kernels.scratch(hi - lo, np.float32)
+        k.lowrank(*self._host_factors(values, n, m, r), r, m, lo, hi, buf, _NO64, 0.0, False)
+        return float(k.sumsq(buf))
 
     @staticmethod
     def _host_factors(values: torch.Tensor, n: int, m: int, r: int):
-        """(P, Q^T) as contiguous numpy arrays for the kernel (Q^T: rows of length m)."""
-        return values[: n * r].view(n, r).numpy(), values[n * r:].view(m, r).t().contiguous().numpy()
+        """(P, Q^T) flat for the kernel: P row-major as sent, Q^T (r rows of m) made contiguous."""
+        return values[: n * r].numpy(), values[n * r:].view(m, r).t().contiguous().view(-1).numpy()
 
     # -- byte budgets: the rank's range, and the values the quantizer sees at the largest rank --
     def knob_limit(self, knob, floats):

@@ -209,12 +209,19 @@ class Values:
     :meth:`dense`, which is what the quantizer's ``decode`` returns (elementwise arithmetic only).
     """
 
-    def __init__(self, count: int, unit: int, build, device: torch.device, add=None) -> None:
+    def __init__(self, count: int, unit: int, build, device: torch.device, add=None, sq=None, into=None) -> None:
         self.numel = count
         self.unit = max(1, unit)
         self._build = build
         self.device = torch.device(device)
-        self._add = add  # fused loop (lo, hi, float64 numpy sum slice, weight) for lo a multiple of unit
+        # fused CPU loops (fedcomp.kernels), any lo: add (lo, hi, float64 numpy sum slice, weight);
+        # sq (lo, hi) -> float64 sum of squares; into (lo, hi, fp32 numpy out), lo a multiple of unit
+        self._add, self._sq, self._into = add, sq, into
+
+    def sq(self, lo: int, hi: int) -> float | None:
+        """Sum of squares (float64) of values [lo, hi) without building them in fresh memory, where
+        a fused loop can (None otherwise): inf or NaN exactly when a value is."""
+        return None if self._sq is None else self._sq(lo, hi)
 
     def add_to(self, lo: int, hi: int, target: torch.Tensor, weight: float) -> bool:
         """``target += weight * values[lo:hi]`` (target: a float64 CPU tensor of ``hi - lo``) in one
@@ -251,7 +258,10 @@ class Values:
         y = torch.empty(m, dtype=torch.float32, device=self.device)
         for lo in range(0, m, self.step()):
             hi = min(m, lo + self.step())
-            y[lo:hi] = self._build(lo, hi)
+            if self._into is not None:
+                self._into(lo, hi, y[lo:hi].numpy())
+            else:
+                y[lo:hi] = self._build(lo, hi)
         return y
 
 
@@ -273,7 +283,6 @@ class _Codes:
     def __init__(self, data: torch.Tensor, count: int, bits: int) -> None:
         self.data, self.count, self.bits = data, count, bits
         self._np = None
-        self._buf = None
 
     def __call__(self, lo: int, hi: int) -> torch.Tensor:
         if self.bits == 8:
@@ -286,11 +295,10 @@ class _Codes:
             self._np = self.data.numpy()
         if self.bits == 8:
             return self._np[lo:hi]
-        if self._buf is None or self._buf.shape[0] < hi - lo:
-            self._buf = np.empty(max(hi - lo, 1 << 16), dtype=np.uint8)
+        buf = kernels.scratch(hi - lo, np.uint8)  # consumed by the caller's next kernel call
         a = lo * self.bits // 8
-        k.unpack(self._np[a:a + packed_bytes(hi - lo, self.bits)], hi - lo, self.bits, self._buf)
-        return self._buf[:hi - lo]
+        k.unpack(self._np[a:a + packed_bytes(hi - lo, self.bits)], hi - lo, self.bits, buf)
+        return buf
 
 
 def _packed_reader(src: Reader, count: int, bits: int, device: torch.device) -> "_Codes":
@@ -306,22 +314,29 @@ _NO32 = np.empty(0, dtype=np.float32)
 _NO64 = np.empty(0, dtype=np.float64)
 
 
-def _fused(device: torch.device, unit: int, run):
-    """(build, add) for :class:`Values` from ``run(a, b, i0, i1, out, s, w, add)``, a kernel call
-    over elements [a + i0, a + i1) with ``a`` a multiple of ``unit``; (None, None) off the CPU or
-    without kernels."""
-    if device.type != "cpu" or kernels.get() is None:
-        return None, None
+def _fused(count: int, unit: int, device: torch.device, run) -> Values:
+    """:class:`Values` whose every path is a kernel call ``run(a, b, i0, i1, out, s, w, add)`` over
+    elements [a + i0, a + i1), ``a`` a multiple of ``unit`` (CPU only)."""
+    k = kernels.get()
+
+    def into(lo: int, hi: int, out: np.ndarray) -> None:
+        run(lo, hi, 0, hi - lo, out, _NO64, 0.0, False)
 
     def build(lo: int, hi: int) -> torch.Tensor:
         out = torch.empty(hi - lo, dtype=torch.float32)
-        run(lo, hi, 0, hi - lo, out.numpy(), _NO64, 0.0, False)
+        into(lo, hi, out.numpy())
         return out
 
     def add(lo: int, hi: int, s: np.ndarray, w: float) -> None:
         a = lo - lo % unit
         run(a, hi, lo - a, hi - a, _NO32, s, w, True)
-    return build, add
+
+    def sq(lo: int, hi: int) -> float:
+        a = lo - lo % unit
+        buf = kernels.scratch(hi - a, np.float32)
+        into(a, hi, buf)
+        return float(k.sumsq(buf[lo - a:]))
+    return Values(count, unit, build, device, add, sq, into)
 
 
 def _block_unit(count: int, block: int) -> int:
@@ -367,13 +382,16 @@ class Identity(Quantizer):
 
     def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
         data = src.take(4 * count)  # a view of the payload: copied chunk by chunk
-        add = None
         if device.type == "cpu" and (k := kernels.get()) is not None:
             raw = data.numpy()
 
             def add(lo: int, hi: int, s: np.ndarray, w: float) -> None:
                 k.add_f32(raw[4 * lo:4 * hi].view(np.float32), s, w)
-        return Values(count, 1, lambda lo, hi: data[4 * lo:4 * hi].clone().view(torch.float32).to(device), device, add)
+
+            def sq(lo: int, hi: int) -> float:  # read in place
+                return float(k.sumsq(raw[4 * lo:4 * hi].view(np.float32)))
+            return Values(count, 1, lambda lo, hi: data[4 * lo:4 * hi].clone().view(torch.float32), device, add, sq)
+        return Values(count, 1, lambda lo, hi: data[4 * lo:4 * hi].clone().view(torch.float32).to(device), device)
 
 
 class _HalfFloat(Quantizer):
@@ -409,14 +427,26 @@ class _HalfFloat(Quantizer):
 
     def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
         data = src.take(2 * count)
-        add = None
         if device.type == "cpu" and (k := kernels.get()) is not None:
             raw, table = data.numpy(), _half_table(self.dtype)
 
             def add(lo: int, hi: int, s: np.ndarray, w: float) -> None:
                 k.add_u16(raw[2 * lo:2 * hi].view(np.uint16), table, s, w)
-        return Values(count, 1, lambda lo, hi: data[2 * lo:2 * hi].clone().view(self.dtype).to(device).float(), device,
-                      add)
+
+            def into(lo: int, hi: int, out: np.ndarray) -> None:
+                k.lut_u16(raw[2 * lo:2 * hi].view(np.uint16), table, out)
+
+            def sq(lo: int, hi: int) -> float:
+                buf = kernels.scratch(hi - lo, np.float32)
+                into(lo, hi, buf)
+                return float(k.sumsq(buf))
+
+            def build(lo: int, hi: int) -> torch.Tensor:
+                out = torch.empty(hi - lo, dtype=torch.float32)
+                into(lo, hi, out.numpy())
+                return out
+            return Values(count, 1, build, device, add, sq, into)
+        return Values(count, 1, lambda lo, hi: data[2 * lo:2 * hi].clone().view(self.dtype).to(device).float(), device)
 
 
 _HALF_TABLES: dict = {}
@@ -519,8 +549,7 @@ class Sign(Quantizer):
 
             def run(a, b, i0, i1, out, s, w, add):  # a: a multiple of 8 elements and of the block
                 k.sign(flags.host(a, b, k), sc[a // size:], size, i0, i1, out, s, w, add)
-            fast, add = _fused(device, unit, run)
-            return Values(count, unit, fast, device, add)
+            return _fused(count, unit, device, run)
         return Values(count, unit, build, device)
 
 
@@ -713,8 +742,7 @@ class KBit(_EntropyCoded, Quantizer):
 
             def run(a, b, i0, i1, out, s, w, add):
                 k.kbit(codes.host(a, b, k), lo_np[a // size:], scale_np[a // size:], size, i0, i1, out, s, w, add)
-            fast, add = _fused(device, unit, run)
-            return Values(count, unit, fast, device, add)
+            return _fused(count, unit, device, run)
         return Values(count, unit, build, device)
 
 
@@ -834,8 +862,7 @@ class QSGD(_EntropyCoded, Quantizer):
 
             def run(a, b, i0, i1, out, s, w, add):
                 k.qsgd(codes.host(a, b, k), per_level[a // size:], top, size, i0, i1, out, s, w, add)
-            fast, add = _fused(device, unit, run)
-            return Values(count, unit, fast, device, add)
+            return _fused(count, unit, device, run)
         return Values(count, unit, build, device)
 
 
