@@ -215,3 +215,156 @@ def sumsq(v):
         x = np.float64(v[j])
         t += x * x
     return t
+
+
+# -- encode: blockwise quantizers' codes (the client's write path) ------------------------------
+@njit(cache=True, nogil=True)
+def pack(codes, count, bits, out):
+    """codes[:count] (each < 2**bits) MSB-first into out (``bitpack.pack_bits``' bytes)."""
+    if bits == 8:
+        for i in range(count):
+            out[i] = codes[i]
+    elif bits == 4:
+        half = count >> 1
+        for j in range(half):
+            out[j] = (codes[2 * j] << 4) | codes[2 * j + 1]
+        if count & 1:
+            out[half] = codes[count - 1] << 4
+    elif bits == 2:
+        full = count >> 2
+        for j in range(full):
+            out[j] = (codes[4 * j] << 6) | (codes[4 * j + 1] << 4) | (codes[4 * j + 2] << 2) | codes[4 * j + 3]
+        if count & 3:
+            b = 0
+            for i in range(4 * full, count):
+                b |= codes[i] << (6 - 2 * (i & 3))
+            out[full] = b
+    else:
+        nbytes = (count * bits + 7) >> 3
+        for j in range(nbytes):
+            out[j] = 0
+        for i in range(count):
+            pos = i * bits
+            b = pos >> 3
+            off = pos & 7
+            word = np.int32(codes[i]) << (16 - off - bits)
+            out[b] |= (word >> 8) & 255
+            if off + bits > 8:
+                out[b + 1] |= word & 255
+
+
+@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
+def _minmax(v):
+    """(min, max) of finite values, vectorized (min and max are exact: any order gives them, up
+    to the sign of a zero, which callers check for)."""
+    mn = v[0]
+    mx = v[0]
+    for j in range(v.shape[0]):
+        mn = min(mn, v[j])
+        mx = max(mx, v[j])
+    return mn, mx
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _finite(v):
+    """Whether every value is finite: x - x is NaN exactly for NaN and +-inf (reassociation only,
+    so nothing folds x - x to 0)."""
+    z = _F32(0.0)
+    for j in range(v.shape[0]):
+        z += v[j] - v[j]
+    return z == 0
+
+
+@njit(cache=True, nogil=True)
+def kbit_codes(x, size, levels, u, stochastic, params, codes):
+    """KBit.write for one chunk (whole blocks from a block boundary): per block lo = min, scale =
+    (max - min) / levels, code = round((x - lo) / scale) (or floor(. + u) with ``u`` the uniforms
+    drawn for the padded rows), clamped to [0, levels]; params[b] = (lo, scale). fp32 operations
+    in torch's order. False (the caller's torch path takes the chunk) where a value is not
+    finite, or a block's min or max is a zero (whose sign torch's reduction picks)."""
+    m = x.shape[0]
+    nb = (m + size - 1) // size
+    lv = _F32(levels)
+    for b in range(nb):
+        a = b * size
+        e = min(m, a + size)
+        blk = x[a:e]
+        if not _finite(blk):
+            return False
+        mn, mx = _minmax(blk)
+        if mn == 0 or mx == 0:
+            return False
+        scale = (mx - mn) / lv
+        params[b, 0] = mn
+        params[b, 1] = scale
+        safe = scale if scale > 0 else _F32(1.0)
+        c = codes[a:e]
+        if stochastic:
+            ub = u[a:e]
+            for j in range(e - a):
+                t = np.floor((blk[j] - mn) / safe + ub[j])
+                c[j] = np.uint8(min(max(t, _F32(0.0)), lv))
+        else:
+            for j in range(e - a):
+                t = np.rint((blk[j] - mn) / safe)
+                c[j] = np.uint8(min(max(t, _F32(0.0)), lv))
+    return True
+
+
+@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
+def _absmax(v):
+    nm = _F32(0.0)
+    for j in range(v.shape[0]):
+        nm = max(nm, abs(v[j]))
+    return nm
+
+
+@njit(cache=True, nogil=True)
+def qsgd_codes(x, size, levels, top, use_max, norms, u, codes):
+    """QSGD.write for one chunk: per bucket the norm (max |x|, or ``norms`` given), level =
+    clamp(floor(|x| * s / norm + u), 0, s), code = level | (x < 0) << top. ``norms`` is written
+    (max) or read (l2). False where a value or norm is not finite (the torch path takes it)."""
+    m = x.shape[0]
+    nb = (m + size - 1) // size
+    s = _F32(levels)
+    for b in range(nb):
+        a = b * size
+        e = min(m, a + size)
+        blk = x[a:e]
+        if not _finite(blk):
+            return False
+        if use_max:
+            nm = _absmax(blk)
+            norms[b] = nm
+        else:
+            nm = norms[b]
+        if not np.isfinite(nm):
+            return False
+        safe = nm if nm > 0 else _F32(1.0)
+        ub = u[a:e]
+        c = codes[a:e]
+        for j in range(e - a):
+            v = blk[j]
+            t = np.floor(abs(v) * s / safe + ub[j])
+            lvl = np.uint8(min(max(t, _F32(0.0)), s))
+            c[j] = lvl | (np.uint8(1 << top) if v < 0 else np.uint8(0))
+    return True
+
+
+@njit(cache=True, nogil=True)
+def sign_pack(x, flags, out):
+    """Bit 1 (MSB first) where x < 0: ``pack_bits(x < 0, 1)``'s bytes. ``flags``: a uint8 scratch
+    of len(x). Flags are formed in one vectorized pass, then 8 at a time packed by one multiply
+    (byte k of a little-endian word lands on bit 7 - k of the top byte)."""
+    n = x.shape[0]
+    for j in range(n):
+        flags[j] = 1 if x[j] < 0 else 0
+    full = n >> 3
+    words = flags[:full * 8].view(np.uint64)
+    for j in range(full):
+        out[j] = np.uint8((words[j] * np.uint64(0x8040201008040201)) >> np.uint64(56))
+    if n & 7:
+        b = np.uint8(0)
+        for i in range(8 * full, n):
+            b |= np.uint8(1 << (7 - (i & 7))) if flags[i] else np.uint8(0)
+        out[full] = b

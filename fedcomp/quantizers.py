@@ -159,6 +159,13 @@ def _pack_into(q: torch.Tensor, bits: int, dst: torch.Tensor) -> None:
         dst.bitwise_or_(v[:, j] << shift if shift else v[:, j])
 
 
+def _encode_kernels(x: torch.Tensor):
+    """The CPU kernels for encoding ``x`` (contiguous fp32 on the CPU), or None (torch path)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or not x.is_contiguous():
+        return None
+    return kernels.for_encode()
+
+
 class _BlockWriter:
     """Blockwise quantizer output, written chunk by chunk into two preallocated streams
     (per-block parameters, then packed codes) with reused chunk-sized scratch buffers."""
@@ -172,12 +179,24 @@ class _BlockWriter:
         step = self.step + (-self.step) % self.size  # room for the padded last block
         self.f32 = torch.empty(step, dtype=torch.float32, device=device)
         self.u8 = torch.empty(step, dtype=torch.uint8, device=device)
+        self._u: torch.Tensor | None = None
 
     def chunks(self):
         """(start, stop, first block, stop block) of each step."""
         for start in range(0, self.m, self.step):
             stop = min(self.m, start + self.step)
             yield start, stop, start // self.size, -(-stop // self.size)
+
+    def uniform(self, n: int) -> torch.Tensor:
+        """A reused fp32 buffer for a chunk's uniforms (stochastic rounding)."""
+        if self._u is None:
+            self._u = torch.empty(self.f32.numel(), dtype=torch.float32, device=self.f32.device)
+        return self._u[:n]
+
+    def put_host_codes(self, start: int, codes: np.ndarray, k) -> None:
+        """Pack uint8 codes (a CPU kernel's) into the code stream at element ``start``."""
+        lo = start * self.bits // 8
+        k.pack(codes, codes.shape[0], self.bits, self.codes[lo:lo + packed_bytes(codes.shape[0], self.bits)].numpy())
 
     def put_codes(self, start: int, q: torch.Tensor) -> None:
         lo = start * self.bits // 8
@@ -512,15 +531,21 @@ class Sign(Quantizer):
         if m == 0:
             return
         w = _BlockWriter(m, self.config.block, 1, 1, x.device)
-        if self.config.block == 0:  # one scale: sum |x| chunk by chunk (the same sum as one call only
-            w.params[0, 0] = _blocked(x, 0).abs().sum(dim=1)[0] / m  # in one call: keep it exact)
+        if self.config.block == 0:  # one scale: sum |x| in one call, as encode does (its bits);
+            # x viewed as one row, not padded (_blocked's pad is a full copy): the same row, the same sum
+            w.params[0, 0] = x.reshape(1, -1).abs().sum(dim=1)[0] / m
         else:
             for start, stop, b0, b1 in w.chunks():
                 rows = _padded_rows(x[start:stop], w.size, fill_first=False)
                 mag = torch.abs(rows, out=w.f32[:rows.numel()].view(rows.shape))
                 w.params[b0:b1, 0] = mag.sum(dim=1) / _block_counts(stop - start, w.size, x.device)
+        k = _encode_kernels(x)
         for start, stop, _, _ in w.chunks():
-            w.put_codes(start, torch.lt(x[start:stop], 0, out=w.u8[:stop - start].view(torch.bool)))
+            if k is not None:
+                k.sign_pack(x[start:stop].numpy(), kernels.scratch(stop - start, np.uint8),
+                            w.codes[start // 8:start // 8 + packed_bytes(stop - start, 1)].numpy())
+            else:
+                w.put_codes(start, torch.lt(x[start:stop], 0, out=w.u8[:stop - start].view(torch.bool)))
         w.write(out)
 
     def _expand(self, scale: torch.Tensor, negative: torch.Tensor, m: int) -> torch.Tensor:
@@ -680,7 +705,18 @@ class KBit(_EntropyCoded, Quantizer):
         if m == 0:
             return
         w = _BlockWriter(m, self.config.block, 2, self.config.bits, x.device)
+        k = _encode_kernels(x)
         for start, stop, b0, b1 in w.chunks():
+            padded = -(-(stop - start) // w.size) * w.size
+            u = None
+            if self.config.stochastic:  # drawn first, in the padded rows' shape: one stream either path
+                u = torch.rand(padded, generator=gen, device=x.device, out=w.uniform(padded))
+            if k is not None:
+                codes = kernels.scratch(stop - start, np.uint8)
+                if k.kbit_codes(x[start:stop].numpy(), w.size, levels, _NO32 if u is None else u.numpy(),
+                                u is not None, w.params[b0:b1].numpy(), codes):
+                    w.put_host_codes(start, codes, k)
+                    continue
             rows = _padded_rows(x[start:stop], w.size, fill_first=True)
             lo, hi = torch.aminmax(rows, dim=1)
             scale = torch.sub(hi, lo, out=w.params[b0:b1, 1]).div_(levels)
@@ -688,8 +724,8 @@ class KBit(_EntropyCoded, Quantizer):
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             t = w.f32[:rows.numel()].view(rows.shape)
             torch.sub(rows, lo[:, None], out=t).div_(safe[:, None])
-            if self.config.stochastic:
-                t.add_(_uniform(t.shape, gen, x.device)).floor_()
+            if u is not None:
+                t.add_(u.view(t.shape)).floor_()
             else:
                 t.round_()
             q = w.u8[:stop - start]
@@ -803,8 +839,19 @@ class QSGD(_EntropyCoded, Quantizer):
         if m == 0:
             return
         w = _BlockWriter(m, self.config.bucket, 1, bits, x.device)
+        k = _encode_kernels(x)
+        use_max = self.config.norm == "max"
         for start, stop, b0, b1 in w.chunks():
             xc = x[start:stop]
+            u = torch.rand(stop - start, generator=gen, device=x.device, out=w.uniform(stop - start))
+            if k is not None:
+                norms = w.params[b0:b1, 0]
+                if not use_max:  # torch's reduction, as the torch path computes it
+                    norms.copy_(torch.linalg.vector_norm(_padded_rows(xc, w.size, fill_first=False), dim=1))
+                codes = kernels.scratch(stop - start, np.uint8)
+                if k.qsgd_codes(xc.numpy(), w.size, s, bits - 1, use_max, norms.numpy(), u.numpy(), codes):
+                    w.put_host_codes(start, codes, k)
+                    continue
             rows = _padded_rows(xc, w.size, fill_first=False)
             mag = torch.abs(rows, out=w.f32[:rows.numel()].view(rows.shape))
             if self.config.norm == "max":
@@ -814,7 +861,7 @@ class QSGD(_EntropyCoded, Quantizer):
             w.params[b0:b1, 0] = norm
             safe = torch.where(norm > 0, norm, torch.ones_like(norm))
             ratio = mag.mul_(s).div_(safe[:, None]).view(-1)[:stop - start]
-            ratio.add_(_uniform(ratio.shape, gen, x.device)).floor_().clamp_(0, s)
+            ratio.add_(u).floor_().clamp_(0, s)
             code = w.u8[:stop - start]
             code.copy_(ratio)
             code.bitwise_or_(torch.lt(xc, 0).view(torch.uint8) << (bits - 1))

@@ -196,9 +196,10 @@ def bench_layout(layout_name: str, tensors: dict[str, torch.Tensor], device: tor
     return rows
 
 
-def cold_start(spec: str = "topk(ratio=0.01)+qsgd(bits=4)") -> dict:
+def cold_start(spec: str = "topk(ratio=0.01)+qsgd(bits=4)", kernels: str = "auto") -> dict:
     """Seconds for ``import torch``, ``import fedcomp`` and the first encode of a 1M-element
-    update, in a fresh Python process (the same fedcomp as this one)."""
+    update, in a fresh Python process (the same fedcomp as this one), with ``FEDCOMP_KERNELS``
+    set to ``kernels`` ("1": the encode loads numba's kernels, as a client forced to would)."""
     code = (
         "import time, json; t0 = time.perf_counter(); import torch; t1 = time.perf_counter();"
         "import fedcomp; t2 = time.perf_counter();"
@@ -207,10 +208,12 @@ def cold_start(spec: str = "topk(ratio=0.01)+qsgd(bits=4)") -> dict:
         "print(json.dumps({'import_torch_s': t1 - t0, 'import_fedcomp_s': t2 - t1, 'first_encode_s': t3 - t2}))"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(fedcomp.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+               FEDCOMP_KERNELS=kernels)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, timeout=300)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["spec"] = spec
+    result["kernels"] = kernels
     return result
 
 
@@ -227,6 +230,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cold", action="store_true", help="measure the cold start even with --codecs (default: without)")
     ap.add_argument("--quick", action="store_true", help="1M elements, a few codecs, 2 repeats, no ResNet layout")
     ap.add_argument("--json", help="write the codec rows here (peers and cold start under their own keys)")
+    ap.add_argument("--kernels", choices=("auto", "0", "1"), default=None,
+                    help="FEDCOMP_KERNELS for this run: fused numba loops auto (default), off, or forced on")
     args = ap.parse_args(argv)
     resnet = args.resnet or args.sizes is None
     with_peers = args.peers or not args.codecs
@@ -238,11 +243,17 @@ def main(argv=None) -> None:
     codecs = CODECS if not args.codecs else tuple((s, dict(CODECS).get(s)) for s in args.codecs)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kernels is not None:
+        os.environ["FEDCOMP_KERNELS"] = args.kernels
+    from fedcomp import kernels
+
+    loaded = kernels.get() is not None  # the server path's kernels; encodes use them once loaded
     devices = [torch.device("cpu")]
     if torch.cuda.is_available() and not args.cpu_only:
         devices.append(torch.device("cuda"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); medians of {args.repeats} runs; "
-          f"load average {os.getloadavg()[0]:.1f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+          f"load average {os.getloadavg()[0]:.1f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+          f"fused kernels (numba) {'on' if loaded else 'off'} (FEDCOMP_KERNELS={kernels.mode()})")
     rows: list[dict] = []
     peer_rows: list[dict] = []
     for device in devices:
@@ -266,8 +277,11 @@ def main(argv=None) -> None:
     cold = None
     if with_cold:
         cold = cold_start()
+        forced = cold_start(kernels="1")
         print(f"\ncold start (fresh process): import torch {cold['import_torch_s']:.2f} s, import fedcomp "
-              f"{cold['import_fedcomp_s']:.3f} s, first compress() of 1M elements {cold['first_encode_s']:.3f} s")
+              f"{cold['import_fedcomp_s']:.3f} s, first compress() of 1M elements {cold['first_encode_s']:.3f} s "
+              f"(with FEDCOMP_KERNELS=1, which loads numba's kernels: {forced['first_encode_s']:.3f} s)")
+        cold["first_encode_kernels_s"] = forced["first_encode_s"]
     if args.json:
         extra = {"peers": peer_rows, "cold_start": cold}
         with open(args.json, "w") as f:

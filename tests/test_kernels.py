@@ -88,3 +88,45 @@ def test_unpack_matches_unpack_codes():
             out = torch.empty(count, dtype=torch.uint8)
             k.unpack(packed.numpy(), count, bits, out.numpy())
             assert torch.equal(out.long(), codes), (bits, count)
+
+
+ENCODE_SPECS = [
+    "sign()", "sign(block=100)", "sign(block=7)", "kbit(bits=4)", "kbit(bits=8)", "kbit(bits=1)", "kbit(bits=2)",
+    "kbit(bits=3,block=100)", "kbit(bits=7,block=33)", "kbit(bits=5,block=0,stochastic=true)",
+    "kbit(bits=4,stochastic=true)", "qsgd(bits=4)", "qsgd(bits=2)", "qsgd(bits=8)", "qsgd(bits=3,bucket=77)",
+    "qsgd(bits=6,bucket=0,norm='l2')", "qsgd(bits=4,norm='l2')", "topk(ratio=0.01)+qsgd(bits=4)",
+    "topk(ratio=0.1)+kbit(bits=4)", "topk(ratio=0.01)+sign()", "powersgd(rank=2)+qsgd(bits=8)",
+    "kbit(bits=4,coding='ans')",
+]
+
+
+def _encode_inputs():
+    g = torch.Generator().manual_seed(0)
+    yield "randn", {"w": torch.randn(61, 147, generator=g), "b": torch.randn(5, generator=g),
+                    "h": torch.randn(33, 9, generator=g).half()}
+    yield "const", {"w": torch.full((3000,), 0.5)}
+    yield "zeros", {"w": torch.where(torch.rand(2049, generator=g) < 0.5, 0.0, -0.0)}  # signed zeros
+    yield "relu", {"w": -torch.relu(torch.randn(3000, generator=g))}  # blocks whose max is a zero
+    yield "one", {"w": torch.tensor([3.0])}
+    yield "ties", {"w": (torch.randint(-3, 4, (5000,), generator=g) / 2).float()}
+    for bad, at in ((float("nan"), 17), (float("inf"), 700), (-float("inf"), 3999)):
+        x = torch.randn(4000, generator=g)
+        x[at] = bad
+        yield f"{bad}", {"w": x}
+    yield "huge", {"w": torch.randn(7000, generator=g) * 1e30}
+    yield "subnormal", {"w": torch.randn(7000, generator=g) * 1e-40}
+
+
+@pytest.mark.parametrize("spec", ENCODE_SPECS)
+def test_encode_kernels_give_the_same_payload(spec, monkeypatch):
+    monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 3000)  # several chunks, a ragged last one
+    codec = fedcomp.build_codec(spec)
+    for name, x in _encode_inputs():
+        payloads = []
+        for flag in ("0", "1"):
+            monkeypatch.setenv("FEDCOMP_KERNELS", flag)
+            try:
+                payloads.append(codec.encode(x, nonce=5, round=2, state={}).payload)
+            except fedcomp.FedcompError as e:  # refused alike either way
+                payloads.append(type(e).__name__)
+        assert payloads[0] == payloads[1], name
