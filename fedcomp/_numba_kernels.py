@@ -368,3 +368,26 @@ def sign_pack(x, flags, out):
         for i in range(8 * full, n):
             b |= np.uint8(1 << (7 - (i & 7))) if flags[i] else np.uint8(0)
         out[full] = b
+
+
+@njit(cache=True, nogil=True)
+def count_code(data, count, code):
+    """How many of the first ``count`` 2-bit codes (MSB first) equal ``code``."""
+    n = 0
+    for i in range(count):
+        n += ((data[i >> 2] >> (6 - 2 * (i & 3))) & 3) == code
+    return n
+
+
+@njit(cache=True, nogil=True)
+def table2(codes, table, i0, i1, out, s, w, add):
+    """value = table[code] for 2-bit codes (twobit, terngrad: +-t or 0 per code)."""
+    c = codes[i0:i1]
+    if add:
+        t = s[:i1 - i0]
+        for j in range(i1 - i0):
+            t[j] = _fma(w, np.float64(table[c[j]]), t[j])
+    else:
+        o = out[:i1 - i0]
+        for j in range(i1 - i0):
+            o[j] = table[c[j]]

@@ -284,6 +284,26 @@ class Values:
         return y
 
 
+def _ternary_kernels(device: torch.device):
+    return kernels.get() if device.type == "cpu" else None
+
+
+def _ternary(src: Reader, count: int, device: torch.device, bad: int, message: str, table: list) -> Values:
+    """Values of a 2-bit code with one unused code (twobit, terngrad; CPU kernels): the codes are
+    checked now, and each value is ``table[code]`` in fp32, built chunk by chunk. Without kernels
+    the quantizers decode whole (their torch paths)."""
+    k = kernels.get()
+    data = src.take(packed_bytes(count, 2))
+    raw = data.numpy()
+    if k.count_code(raw, count, bad):
+        raise DecodeError(message)
+    codes, values = _Codes(data, count, 2), np.array(table, dtype=np.float32)
+
+    def run(a, b, i0, i1, out, s, w, add):
+        k.table2(codes.host(a, b, k), values, i0, i1, out, s, w, add)
+    return _fused(count, 4, device, run)
+
+
 def read_values(quantizer: Quantizer, src: Reader, count: int, device: torch.device) -> Values:
     """Read and check ``count`` coded values from ``src`` without dequantizing them, where the
     quantizer can (its ``read_values`` method: the codes stay packed, as views of the payload);
@@ -658,6 +678,12 @@ class TwoBit(Quantizer):
             raise DecodeError("twobit payload holds the unused code 01")
         return self._values(codes)
 
+    def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
+        if count == 0 or _ternary_kernels(device) is None:
+            return Values.of(self.decode(src, count, device))
+        t = self.config.threshold  # fp32 values as _values gives them: +t, -t (rounded), 0
+        return _ternary(src, count, device, 1, "twobit payload holds the unused code 01", [0.0, 0.0, -t, t])
+
 
 @register
 class KBit(_EntropyCoded, Quantizer):
@@ -953,6 +979,12 @@ class TernGrad(Quantizer):
 
     def _values(self, s: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         return torch.where(codes == 1, s, torch.where(codes == 2, -s, torch.zeros_like(s))).float()
+
+    def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
+        if count == 0 or _ternary_kernels(device) is None:
+            return Values.of(self.decode(src, count, device))
+        s = float(src.tensor(1, torch.float32)[0])
+        return _ternary(src, count, device, 3, "terngrad payload holds the unused code 11", [0.0, s, -s, 0.0])
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         if count == 0:

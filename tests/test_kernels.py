@@ -19,7 +19,8 @@ SPECS = [
     "kbit(bits=2)", "kbit(bits=3,block=100)", "kbit(bits=7,block=33)", "kbit(bits=5,block=0,stochastic=true)",
     "kbit(bits=4,coding='ans')", "qsgd(bits=4)", "qsgd(bits=2)", "qsgd(bits=8)", "qsgd(bits=3,bucket=77)",
     "qsgd(bits=6,bucket=0,norm='l2')", "powersgd(rank=2)", "powersgd(rank=1)",
-    "powersgd(rank=3,min_compression=0)+qsgd(bits=8)",
+    "powersgd(rank=3,min_compression=0)+qsgd(bits=8)", "twobit(threshold=0.5)", "twobit(threshold=0.001)",
+    "terngrad()", "terngrad(clip=0)",
 ]
 WEIGHTS = (1, 3.0, 0.3, 1e-7, 12345)
 
@@ -130,3 +131,21 @@ def test_encode_kernels_give_the_same_payload(spec, monkeypatch):
             except fedcomp.FedcompError as e:  # refused alike either way
                 payloads.append(type(e).__name__)
         assert payloads[0] == payloads[1], name
+
+
+@pytest.mark.parametrize("spec,code", [("twobit()", 1), ("terngrad()", 3)])
+def test_unused_two_bit_code_is_refused_before_adding(spec, code, monkeypatch):
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    codec = fedcomp.build_codec(spec)
+    layout = fedcomp.Layout.of({"x": torch.zeros(1000)})
+    good = codec.encode({"x": torch.randn(1000)}, nonce=1).payload
+    acc = Accumulator(codec, layout)
+    acc.add(good, 2.0)
+    before = acc.sum()["x"]
+    body = bytearray(good)
+    body[-5] = (body[-5] & 0b11111100) | code  # the last code of the last tensor: the unused one
+    from fedcomp.wire import crc32
+    body[-4:] = crc32(bytes(body[:-4])).to_bytes(4, "little")
+    with pytest.raises(fedcomp.DecodeError, match="unused code"):
+        acc.add(bytes(body), 1.0)
+    assert torch.equal(acc.sum()["x"], before) and acc.count == 1
