@@ -9,7 +9,8 @@ process, the median of ``--repeats`` timings of
 * ``decode``: ``Codec.decode(payload, layout)`` (dense tensors out);
 * ``decode+acc``: :meth:`fedcomp.aggregate.Accumulator.add` (decode one reply into a running sum).
 
-Peers measured in the same process: ``y.copy_(x)`` (a copy into existing memory),
+Peers measured in the same process: ``y.copy_(x)`` (a copy into existing memory), the fp32
+update added into a float64 running sum chunk by chunk (the memory traffic any decode + add pays),
 ``torch.topk(|x|, k)`` alone, a naive top-k + gather + 4-bit pack, and the torch DDP PowerSGD
 hook's math for rank 2 (``matmul(M, Q, out=P)``, Gram-Schmidt, ``matmul(M.t(), P, out=Q)``, as
 ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` writes it). Top-k is also timed on
@@ -151,9 +152,15 @@ def peers(layout_name: str, x: torch.Tensor, device: torch.device, repeats: int)
     g = torch.Generator().manual_seed(0)
     q0 = torch.randn(side, 2, generator=g).to(device)
     p = torch.empty(side, 2, device=device)
+    total = torch.zeros(n, dtype=torch.float64, device=device)  # a server's float64 running sum
+
+    def add_into_sum():  # the floor of any decode + add into it: read x, read and write the sum
+        for i in range(0, n, 1 << 20):
+            total[i:i + (1 << 20)].add_(flat[i:i + (1 << 20)])
     rows = []
     for name, fn in (
         ("peer: y.copy_(x)", lambda: y.copy_(flat)),
+        ("peer: float64 sum += x (1M-element chunks)", add_into_sum),
         ("peer: torch.topk(|x|, k=0.1%) alone", lambda: torch.topk(flat.abs(), k, sorted=False)),
         ("peer: naive topk 0.1% + gather + 4-bit pack", lambda: _naive_topk_4bit(flat, k)),
         ("peer: torch PowerSGD hook math, rank 2", lambda: _hook_math(m, q0.clone(), p)),
@@ -277,10 +284,11 @@ def main(argv=None) -> None:
     cold = None
     if with_cold:
         cold = cold_start()
-        forced = cold_start(kernels="1")
+        forced = cold_start("kbit(bits=4)", kernels="1")  # a dense encode: the kernels load
         print(f"\ncold start (fresh process): import torch {cold['import_torch_s']:.2f} s, import fedcomp "
               f"{cold['import_fedcomp_s']:.3f} s, first compress() of 1M elements {cold['first_encode_s']:.3f} s "
-              f"(with FEDCOMP_KERNELS=1, which loads numba's kernels: {forced['first_encode_s']:.3f} s)")
+              f"({cold['spec']}); kbit(bits=4) with FEDCOMP_KERNELS=1, which loads numba's kernels: "
+              f"{forced['first_encode_s']:.3f} s")
         cold["first_encode_kernels_s"] = forced["first_encode_s"]
     if args.json:
         extra = {"peers": peer_rows, "cold_start": cold}
