@@ -391,3 +391,13 @@ def table2(codes, table, i0, i1, out, s, w, add):
         o = out[:i1 - i0]
         for j in range(i1 - i0):
             o[j] = table[c[j]]
+
+
+@njit(cache=True, nogil=True)
+def twobit_codes(x, t, codes):
+    """TwoBit codes: 3 where x >= t, 2 where x <= -t, else 0 (NaN: 0); ``t`` is fp32, as torch
+    compares an fp32 tensor with a Python float."""
+    nt = -t
+    for j in range(x.shape[0]):
+        v = x[j]
+        codes[j] = 3 if v >= t else (2 if v <= nt else 0)

@@ -659,8 +659,15 @@ class TwoBit(Quantizer):
         step = max(4, _ENCODE_CHUNK // 16 * 4)  # a multiple of 4 codes: every chunk but the last ends on a byte
         code = torch.empty(min(m, step), dtype=torch.uint8, device=x.device)
         pos = torch.empty(min(m, step), dtype=torch.bool, device=x.device)
+        k = _encode_kernels(x)
+        t32 = np.float32(t)
         for lo in range(0, m, step):
             xc = x[lo:lo + step]
+            if k is not None:  # the same codes in one loop, packed by another
+                c = code[:xc.numel()].numpy()
+                k.twobit_codes(xc.numpy(), t32, c)
+                k.pack(c, xc.numel(), 2, packed[lo // 4:lo // 4 + packed_bytes(xc.numel(), 2)].numpy())
+                continue
             c, p = code[:xc.numel()], pos[:xc.numel()]
             torch.ge(xc, t, out=p)
             torch.le(xc, -t, out=c.view(torch.bool)).logical_or_(p)  # sent

@@ -97,7 +97,8 @@ ENCODE_SPECS = [
     "kbit(bits=4,stochastic=true)", "qsgd(bits=4)", "qsgd(bits=2)", "qsgd(bits=8)", "qsgd(bits=3,bucket=77)",
     "qsgd(bits=6,bucket=0,norm='l2')", "qsgd(bits=4,norm='l2')", "topk(ratio=0.01)+qsgd(bits=4)",
     "topk(ratio=0.1)+kbit(bits=4)", "topk(ratio=0.01)+sign()", "powersgd(rank=2)+qsgd(bits=8)",
-    "kbit(bits=4,coding='ans')",
+    "kbit(bits=4,coding='ans')", "twobit(threshold=0.5)", "twobit(threshold=1e-45)",
+    "topk(ratio=0.1)+twobit(threshold=0.3)",
 ]
 
 
