@@ -24,11 +24,15 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from fedcomp import kernels
 from fedcomp.base import Knob, Reducer, Segment, StageContext, register
 from fedcomp.wire import Reader, Writer
 
+_NO32 = np.empty(0, dtype=np.float32)  # the kernel's unused output (adding) or sum (building)
+_NO64 = np.empty(0, dtype=np.float64)
 STATE_PREFIX = "powersgd.q/"  # client-state key of a tensor's warm-start Q: STATE_PREFIX + name
 
 
@@ -221,9 +225,50 @@ class PowerSGD(Reducer):
         if f is None:
             return values[lo:hi]
         n, m, r = f
+        if values.device.type == "cpu" and (k := kernels.get()) is not None:
+            out = torch.empty(hi - lo, dtype=torch.float32)
+            k.lowrank(*self._host_factors(values, n, m, r), r, m, lo, hi, out.numpy(), _NO64, 0.0, False)
+            return out
         a, b = lo // m, -(-hi // m)
         y = reconstruct(values[: n * r].view(n, r)[a:b], values[n * r:].view(m, r)).reshape(-1)
         return y[lo - a * m:hi - a * m]
+
+    def add_range(self, values: torch.Tensor, aux: Any, seg: Segment, lo: int, hi: int,
+                  target: torch.Tensor, weight: float) -> bool:
+        """``target += weight * expand_range(...)`` (a float64 CPU target) in one fused loop over
+        the rows of P Q^T (:mod:`fedcomp.kernels`, the same fp32 values); False where there is
+        none (no numba, another device or dtype)."""
+        if values.device.type != "cpu" or target.dtype != torch.float64 or target.device.type != "cpu":
+            return False
+        k = kernels.get()
+        if k is None:
+            return False
+        f = self.factors(seg)
+        if f is None:
+            k.add_f32(values[lo:hi].numpy(), target.numpy(), float(weight))
+            return True
+        n, m, r = f
+        k.lowrank(*self._host_factors(values, n, m, r), r, m, lo, hi, _NO32, target.numpy(), float(weight), True)
+        return True
+
+    def sq_range(self, values: torch.Tensor, aux: Any, seg: Segment, lo: int, hi: int) -> float | None:
+        """Sum of squares (float64) of ``expand_range(...)`` built in a reused buffer (CPU kernels;
+        None where there are none)."""
+        k = kernels.get() if values.device.type == "cpu" else None
+        if k is None:
+            return None
+        f = self.factors(seg)
+        if f is None:
+            return float(k.sumsq(values[lo:hi].numpy()))
+        n, m, r = f
+        buf = kernels.scratch(hi - lo, np.float32)
+        k.lowrank(*self._host_factors(values, n, m, r), r, m, lo, hi, buf, _NO64, 0.0, False)
+        return float(k.sumsq(buf))
+
+    @staticmethod
+    def _host_factors(values: torch.Tensor, n: int, m: int, r: int):
+        """(P, Q^T) flat for the kernel: P row-major as sent, Q^T (r rows of m) made contiguous."""
+        return values[: n * r].numpy(), values[n * r:].view(m, r).t().contiguous().view(-1).numpy()
 
     # -- byte budgets: the rank's range, and the values the quantizer sees at the largest rank --
     def knob_limit(self, knob, floats):

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedcomp import kernels
 from fedcomp.base import Knob, Quantizer, block_size, blocks, register
 from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits, unpack_codes, unpack_flags
 from fedcomp.errors import DecodeError
@@ -57,8 +59,7 @@ class _EntropyCoded:
         if self.config.coding == "ans":  # type: ignore[attr-defined]
             from fedcomp.entropy import ans_read
 
-            codes = ans_read(src, count, bits).to(device)
-            return lambda lo, hi: codes[lo:hi]
+            return _Codes(ans_read(src, count, bits).to(device), count, 8)
         return _packed_reader(src, count, bits, device)
 
 
@@ -158,6 +159,13 @@ def _pack_into(q: torch.Tensor, bits: int, dst: torch.Tensor) -> None:
         dst.bitwise_or_(v[:, j] << shift if shift else v[:, j])
 
 
+def _encode_kernels(x: torch.Tensor):
+    """The CPU kernels for encoding ``x`` (contiguous fp32 on the CPU), or None (torch path)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or not x.is_contiguous():
+        return None
+    return kernels.for_encode()
+
+
 class _BlockWriter:
     """Blockwise quantizer output, written chunk by chunk into two preallocated streams
     (per-block parameters, then packed codes) with reused chunk-sized scratch buffers."""
@@ -171,12 +179,24 @@ class _BlockWriter:
         step = self.step + (-self.step) % self.size  # room for the padded last block
         self.f32 = torch.empty(step, dtype=torch.float32, device=device)
         self.u8 = torch.empty(step, dtype=torch.uint8, device=device)
+        self._u: torch.Tensor | None = None
 
     def chunks(self):
         """(start, stop, first block, stop block) of each step."""
         for start in range(0, self.m, self.step):
             stop = min(self.m, start + self.step)
             yield start, stop, start // self.size, -(-stop // self.size)
+
+    def uniform(self, n: int) -> torch.Tensor:
+        """A reused fp32 buffer for a chunk's uniforms (stochastic rounding)."""
+        if self._u is None:
+            self._u = torch.empty(self.f32.numel(), dtype=torch.float32, device=self.f32.device)
+        return self._u[:n]
+
+    def put_host_codes(self, start: int, codes: np.ndarray, k) -> None:
+        """Pack uint8 codes (a CPU kernel's) into the code stream at element ``start``."""
+        lo = start * self.bits // 8
+        k.pack(codes, codes.shape[0], self.bits, self.codes[lo:lo + packed_bytes(codes.shape[0], self.bits)].numpy())
 
     def put_codes(self, start: int, q: torch.Tensor) -> None:
         lo = start * self.bits // 8
@@ -208,11 +228,29 @@ class Values:
     :meth:`dense`, which is what the quantizer's ``decode`` returns (elementwise arithmetic only).
     """
 
-    def __init__(self, count: int, unit: int, build, device: torch.device) -> None:
+    def __init__(self, count: int, unit: int, build, device: torch.device, add=None, sq=None, into=None) -> None:
         self.numel = count
         self.unit = max(1, unit)
         self._build = build
         self.device = torch.device(device)
+        # fused CPU loops (fedcomp.kernels), any lo: add (lo, hi, float64 numpy sum slice, weight);
+        # sq (lo, hi) -> float64 sum of squares; into (lo, hi, fp32 numpy out), lo a multiple of unit
+        self._add, self._sq, self._into = add, sq, into
+
+    def sq(self, lo: int, hi: int) -> float | None:
+        """Sum of squares (float64) of values [lo, hi) without building them in fresh memory, where
+        a fused loop can (None otherwise): inf or NaN exactly when a value is."""
+        return None if self._sq is None else self._sq(lo, hi)
+
+    def add_to(self, lo: int, hi: int, target: torch.Tensor, weight: float) -> bool:
+        """``target += weight * values[lo:hi]`` (target: a float64 CPU tensor of ``hi - lo``) in one
+        fused loop (:mod:`fedcomp.kernels`), the same bits as adding :meth:`chunk`'s values with
+        ``add_(alpha=weight)`` for integer weights below 2**29; False (nothing done) where there is
+        no such loop (no numba, another device or dtype)."""
+        if self._add is None or target.dtype != torch.float64 or target.device.type != "cpu":
+            return False
+        self._add(lo, hi, target.numpy(), float(weight))
+        return True
 
     @classmethod
     def of(cls, values: torch.Tensor) -> "Values":
@@ -239,8 +277,31 @@ class Values:
         y = torch.empty(m, dtype=torch.float32, device=self.device)
         for lo in range(0, m, self.step()):
             hi = min(m, lo + self.step())
-            y[lo:hi] = self._build(lo, hi)
+            if self._into is not None:
+                self._into(lo, hi, y[lo:hi].numpy())
+            else:
+                y[lo:hi] = self._build(lo, hi)
         return y
+
+
+def _ternary_kernels(device: torch.device):
+    return kernels.get() if device.type == "cpu" else None
+
+
+def _ternary(src: Reader, count: int, device: torch.device, bad: int, message: str, table: list) -> Values:
+    """Values of a 2-bit code with one unused code (twobit, terngrad; CPU kernels): the codes are
+    checked now, and each value is ``table[code]`` in fp32, built chunk by chunk. Without kernels
+    the quantizers decode whole (their torch paths)."""
+    k = kernels.get()
+    data = src.take(packed_bytes(count, 2))
+    raw = data.numpy()
+    if k.count_code(raw, count, bad):
+        raise DecodeError(message)
+    codes, values = _Codes(data, count, 2), np.array(table, dtype=np.float32)
+
+    def run(a, b, i0, i1, out, s, w, add):
+        k.table2(codes.host(a, b, k), values, i0, i1, out, s, w, add)
+    return _fused(count, 4, device, run)
 
 
 def read_values(quantizer: Quantizer, src: Reader, count: int, device: torch.device) -> Values:
@@ -253,15 +314,68 @@ def read_values(quantizer: Quantizer, src: Reader, count: int, device: torch.dev
     return Values.of(quantizer.decode(src, count, device))
 
 
-def _packed_reader(src: Reader, count: int, bits: int, device: torch.device):
-    """(lo, hi) -> uint8 codes of elements [lo, hi) of a packed stream, for lo * bits a multiple
-    of 8; reads (and length-checks) the stream now, unpacks on demand."""
-    data = src.take(packed_bytes(count, bits))
+class _Codes:
+    """uint8 codes of a segment: ``codes(lo, hi)`` as a tensor on the device, ``codes.host(lo,
+    hi)`` as a numpy array (CPU kernels), for lo * bits a multiple of 8. Packed codes (``bits`` <
+    8 or a payload view) stay packed until asked for."""
 
-    def codes(lo: int, hi: int) -> torch.Tensor:
-        a = lo * bits // 8
-        return unpack_codes(data[a:a + packed_bytes(hi - lo, bits)].to(device), hi - lo, bits)
-    return codes
+    def __init__(self, data: torch.Tensor, count: int, bits: int) -> None:
+        self.data, self.count, self.bits = data, count, bits
+        self._np = None
+
+    def __call__(self, lo: int, hi: int) -> torch.Tensor:
+        if self.bits == 8:
+            return self.data[lo:hi]
+        a = lo * self.bits // 8
+        return unpack_codes(self.data[a:a + packed_bytes(hi - lo, self.bits)], hi - lo, self.bits)
+
+    def host(self, lo: int, hi: int, k) -> np.ndarray:
+        if self._np is None:
+            self._np = self.data.numpy()
+        if self.bits == 8:
+            return self._np[lo:hi]
+        buf = kernels.scratch(hi - lo, np.uint8)  # consumed by the caller's next kernel call
+        a = lo * self.bits // 8
+        k.unpack(self._np[a:a + packed_bytes(hi - lo, self.bits)], hi - lo, self.bits, buf)
+        return buf
+
+
+def _packed_reader(src: Reader, count: int, bits: int, device: torch.device) -> "_Codes":
+    """The codes of elements of a packed stream (:class:`_Codes`); reads (and length-checks) the
+    stream now, unpacks on demand."""
+    data = src.take(packed_bytes(count, bits))
+    if bits == 8:  # the codes are the bytes: copied to the device once (a view on the CPU)
+        return _Codes(data.to(device), count, 8)
+    return _Codes(data if device.type == "cpu" else data.to(device), count, bits)
+
+
+_NO32 = np.empty(0, dtype=np.float32)
+_NO64 = np.empty(0, dtype=np.float64)
+
+
+def _fused(count: int, unit: int, device: torch.device, run) -> Values:
+    """:class:`Values` whose every path is a kernel call ``run(a, b, i0, i1, out, s, w, add)`` over
+    elements [a + i0, a + i1), ``a`` a multiple of ``unit`` (CPU only)."""
+    k = kernels.get()
+
+    def into(lo: int, hi: int, out: np.ndarray) -> None:
+        run(lo, hi, 0, hi - lo, out, _NO64, 0.0, False)
+
+    def build(lo: int, hi: int) -> torch.Tensor:
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        into(lo, hi, out.numpy())
+        return out
+
+    def add(lo: int, hi: int, s: np.ndarray, w: float) -> None:
+        a = lo - lo % unit
+        run(a, hi, lo - a, hi - a, _NO32, s, w, True)
+
+    def sq(lo: int, hi: int) -> float:
+        a = lo - lo % unit
+        buf = kernels.scratch(hi - a, np.float32)
+        into(a, hi, buf)
+        return float(k.sumsq(buf[lo - a:]))
+    return Values(count, unit, build, device, add, sq, into)
 
 
 def _block_unit(count: int, block: int) -> int:
@@ -307,6 +421,15 @@ class Identity(Quantizer):
 
     def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
         data = src.take(4 * count)  # a view of the payload: copied chunk by chunk
+        if device.type == "cpu" and (k := kernels.get()) is not None:
+            raw = data.numpy()
+
+            def add(lo: int, hi: int, s: np.ndarray, w: float) -> None:
+                k.add_f32(raw[4 * lo:4 * hi].view(np.float32), s, w)
+
+            def sq(lo: int, hi: int) -> float:  # read in place
+                return float(k.sumsq(raw[4 * lo:4 * hi].view(np.float32)))
+            return Values(count, 1, lambda lo, hi: data[4 * lo:4 * hi].clone().view(torch.float32), device, add, sq)
         return Values(count, 1, lambda lo, hi: data[4 * lo:4 * hi].clone().view(torch.float32).to(device), device)
 
 
@@ -343,7 +466,36 @@ class _HalfFloat(Quantizer):
 
     def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
         data = src.take(2 * count)
+        if device.type == "cpu" and (k := kernels.get()) is not None:
+            raw, table = data.numpy(), _half_table(self.dtype)
+
+            def add(lo: int, hi: int, s: np.ndarray, w: float) -> None:
+                k.add_u16(raw[2 * lo:2 * hi].view(np.uint16), table, s, w)
+
+            def into(lo: int, hi: int, out: np.ndarray) -> None:
+                k.lut_u16(raw[2 * lo:2 * hi].view(np.uint16), table, out)
+
+            def sq(lo: int, hi: int) -> float:
+                buf = kernels.scratch(hi - lo, np.float32)
+                into(lo, hi, buf)
+                return float(k.sumsq(buf))
+
+            def build(lo: int, hi: int) -> torch.Tensor:
+                out = torch.empty(hi - lo, dtype=torch.float32)
+                into(lo, hi, out.numpy())
+                return out
+            return Values(count, 1, build, device, add, sq, into)
         return Values(count, 1, lambda lo, hi: data[2 * lo:2 * hi].clone().view(self.dtype).to(device).float(), device)
+
+
+_HALF_TABLES: dict = {}
+
+
+def _half_table(dtype: torch.dtype) -> np.ndarray:
+    """The fp32 value of each of the 65,536 bit patterns of fp16 / bf16 (torch's conversion)."""
+    if dtype not in _HALF_TABLES:
+        _HALF_TABLES[dtype] = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype).float().numpy()
+    return _HALF_TABLES[dtype]
 
 
 @register
@@ -399,15 +551,21 @@ class Sign(Quantizer):
         if m == 0:
             return
         w = _BlockWriter(m, self.config.block, 1, 1, x.device)
-        if self.config.block == 0:  # one scale: sum |x| chunk by chunk (the same sum as one call only
-            w.params[0, 0] = _blocked(x, 0).abs().sum(dim=1)[0] / m  # in one call: keep it exact)
+        if self.config.block == 0:  # one scale: sum |x| in one call, as encode does (its bits);
+            # x viewed as one row, not padded (_blocked's pad is a full copy): the same row, the same sum
+            w.params[0, 0] = x.reshape(1, -1).abs().sum(dim=1)[0] / m
         else:
             for start, stop, b0, b1 in w.chunks():
                 rows = _padded_rows(x[start:stop], w.size, fill_first=False)
                 mag = torch.abs(rows, out=w.f32[:rows.numel()].view(rows.shape))
                 w.params[b0:b1, 0] = mag.sum(dim=1) / _block_counts(stop - start, w.size, x.device)
+        k = _encode_kernels(x)
         for start, stop, _, _ in w.chunks():
-            w.put_codes(start, torch.lt(x[start:stop], 0, out=w.u8[:stop - start].view(torch.bool)))
+            if k is not None:
+                k.sign_pack(x[start:stop].numpy(), kernels.scratch(stop - start, np.uint8),
+                            w.codes[start // 8:start // 8 + packed_bytes(stop - start, 1)].numpy())
+            else:
+                w.put_codes(start, torch.lt(x[start:stop], 0, out=w.u8[:stop - start].view(torch.bool)))
         w.write(out)
 
     def _expand(self, scale: torch.Tensor, negative: torch.Tensor, m: int) -> torch.Tensor:
@@ -430,7 +588,14 @@ class Sign(Quantizer):
             # +-scale per block: (1 - 2 negative) * scale is exactly _expand's where(negative, -s, s)
             y = negative.to(torch.float32).mul_(-2).add_(1)
             return _per_block_(y, block, scale[lo // size:])
-        return Values(count, _block_unit(count, block), build, device)
+        unit = _block_unit(count, block)
+        if device.type == "cpu" and (k := kernels.get()) is not None:
+            flags, sc = _Codes(data, count, 1), scale.numpy()
+
+            def run(a, b, i0, i1, out, s, w, add):  # a: a multiple of 8 elements and of the block
+                k.sign(flags.host(a, b, k), sc[a // size:], size, i0, i1, out, s, w, add)
+            return _fused(count, unit, device, run)
+        return Values(count, unit, build, device)
 
 
 class FixedSign(Quantizer):
@@ -494,8 +659,15 @@ class TwoBit(Quantizer):
         step = max(4, _ENCODE_CHUNK // 16 * 4)  # a multiple of 4 codes: every chunk but the last ends on a byte
         code = torch.empty(min(m, step), dtype=torch.uint8, device=x.device)
         pos = torch.empty(min(m, step), dtype=torch.bool, device=x.device)
+        k = _encode_kernels(x)
+        t32 = np.float32(t)
         for lo in range(0, m, step):
             xc = x[lo:lo + step]
+            if k is not None:  # the same codes in one loop, packed by another
+                c = code[:xc.numel()].numpy()
+                k.twobit_codes(xc.numpy(), t32, c)
+                k.pack(c, xc.numel(), 2, packed[lo // 4:lo // 4 + packed_bytes(xc.numel(), 2)].numpy())
+                continue
             c, p = code[:xc.numel()], pos[:xc.numel()]
             torch.ge(xc, t, out=p)
             torch.le(xc, -t, out=c.view(torch.bool)).logical_or_(p)  # sent
@@ -512,6 +684,12 @@ class TwoBit(Quantizer):
         if bool((codes == 1).any()):
             raise DecodeError("twobit payload holds the unused code 01")
         return self._values(codes)
+
+    def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
+        if count == 0 or _ternary_kernels(device) is None:
+            return Values.of(self.decode(src, count, device))
+        t = self.config.threshold  # fp32 values as _values gives them: +t, -t (rounded), 0
+        return _ternary(src, count, device, 1, "twobit payload holds the unused code 01", [0.0, 0.0, -t, t])
 
 
 @register
@@ -560,7 +738,18 @@ class KBit(_EntropyCoded, Quantizer):
         if m == 0:
             return
         w = _BlockWriter(m, self.config.block, 2, self.config.bits, x.device)
+        k = _encode_kernels(x)
         for start, stop, b0, b1 in w.chunks():
+            padded = -(-(stop - start) // w.size) * w.size
+            u = None
+            if self.config.stochastic:  # drawn first, in the padded rows' shape: one stream either path
+                u = torch.rand(padded, generator=gen, device=x.device, out=w.uniform(padded))
+            if k is not None:
+                codes = kernels.scratch(stop - start, np.uint8)
+                if k.kbit_codes(x[start:stop].numpy(), w.size, levels, _NO32 if u is None else u.numpy(),
+                                u is not None, w.params[b0:b1].numpy(), codes):
+                    w.put_host_codes(start, codes, k)
+                    continue
             rows = _padded_rows(x[start:stop], w.size, fill_first=True)
             lo, hi = torch.aminmax(rows, dim=1)
             scale = torch.sub(hi, lo, out=w.params[b0:b1, 1]).div_(levels)
@@ -568,8 +757,8 @@ class KBit(_EntropyCoded, Quantizer):
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             t = w.f32[:rows.numel()].view(rows.shape)
             torch.sub(rows, lo[:, None], out=t).div_(safe[:, None])
-            if self.config.stochastic:
-                t.add_(_uniform(t.shape, gen, x.device)).floor_()
+            if u is not None:
+                t.add_(u.view(t.shape)).floor_()
             else:
                 t.round_()
             q = w.u8[:stop - start]
@@ -616,7 +805,14 @@ class KBit(_EntropyCoded, Quantizer):
         def build(lo: int, hi: int) -> torch.Tensor:
             b = lo // size
             return self._values(codes(lo, hi), lo_[b:], scale[b:], hi - lo)
-        return Values(count, _block_unit(count, block), build, device)
+        unit = _block_unit(count, block)
+        if device.type == "cpu" and (k := kernels.get()) is not None:
+            lo_np, scale_np = lo_.numpy(), scale.numpy()
+
+            def run(a, b, i0, i1, out, s, w, add):
+                k.kbit(codes.host(a, b, k), lo_np[a // size:], scale_np[a // size:], size, i0, i1, out, s, w, add)
+            return _fused(count, unit, device, run)
+        return Values(count, unit, build, device)
 
 
 @register
@@ -676,8 +872,19 @@ class QSGD(_EntropyCoded, Quantizer):
         if m == 0:
             return
         w = _BlockWriter(m, self.config.bucket, 1, bits, x.device)
+        k = _encode_kernels(x)
+        use_max = self.config.norm == "max"
         for start, stop, b0, b1 in w.chunks():
             xc = x[start:stop]
+            u = torch.rand(stop - start, generator=gen, device=x.device, out=w.uniform(stop - start))
+            if k is not None:
+                norms = w.params[b0:b1, 0]
+                if not use_max:  # torch's reduction, as the torch path computes it
+                    norms.copy_(torch.linalg.vector_norm(_padded_rows(xc, w.size, fill_first=False), dim=1))
+                codes = kernels.scratch(stop - start, np.uint8)
+                if k.qsgd_codes(xc.numpy(), w.size, s, bits - 1, use_max, norms.numpy(), u.numpy(), codes):
+                    w.put_host_codes(start, codes, k)
+                    continue
             rows = _padded_rows(xc, w.size, fill_first=False)
             mag = torch.abs(rows, out=w.f32[:rows.numel()].view(rows.shape))
             if self.config.norm == "max":
@@ -687,7 +894,7 @@ class QSGD(_EntropyCoded, Quantizer):
             w.params[b0:b1, 0] = norm
             safe = torch.where(norm > 0, norm, torch.ones_like(norm))
             ratio = mag.mul_(s).div_(safe[:, None]).view(-1)[:stop - start]
-            ratio.add_(_uniform(ratio.shape, gen, x.device)).floor_().clamp_(0, s)
+            ratio.add_(u).floor_().clamp_(0, s)
             code = w.u8[:stop - start]
             code.copy_(ratio)
             code.bitwise_or_(torch.lt(xc, 0).view(torch.uint8) << (bits - 1))
@@ -729,7 +936,14 @@ class QSGD(_EntropyCoded, Quantizer):
         def build(lo: int, hi: int) -> torch.Tensor:
             c = codes(lo, hi)
             return self._values(norm[lo // size:], c & ((1 << top) - 1), c >> top, hi - lo)
-        return Values(count, _block_unit(count, bucket), build, device)
+        unit = _block_unit(count, bucket)
+        if device.type == "cpu" and (k := kernels.get()) is not None:
+            per_level = (norm / self.levels).numpy()  # the fp32 division _values does
+
+            def run(a, b, i0, i1, out, s, w, add):
+                k.qsgd(codes.host(a, b, k), per_level[a // size:], top, size, i0, i1, out, s, w, add)
+            return _fused(count, unit, device, run)
+        return Values(count, unit, build, device)
 
 
 @register
@@ -772,6 +986,12 @@ class TernGrad(Quantizer):
 
     def _values(self, s: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         return torch.where(codes == 1, s, torch.where(codes == 2, -s, torch.zeros_like(s))).float()
+
+    def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
+        if count == 0 or _ternary_kernels(device) is None:
+            return Values.of(self.decode(src, count, device))
+        s = float(src.tensor(1, torch.float32)[0])
+        return _ternary(src, count, device, 3, "terngrad payload holds the unused code 11", [0.0, s, -s, 0.0])
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         if count == 0:

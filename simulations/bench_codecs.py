@@ -9,7 +9,8 @@ process, the median of ``--repeats`` timings of
 * ``decode``: ``Codec.decode(payload, layout)`` (dense tensors out);
 * ``decode+acc``: :meth:`fedcomp.aggregate.Accumulator.add` (decode one reply into a running sum).
 
-Peers measured in the same process: ``y.copy_(x)`` (a copy into existing memory),
+Peers measured in the same process: ``y.copy_(x)`` (a copy into existing memory), the fp32
+update added into a float64 running sum chunk by chunk (the memory traffic any decode + add pays),
 ``torch.topk(|x|, k)`` alone, a naive top-k + gather + 4-bit pack, and the torch DDP PowerSGD
 hook's math for rank 2 (``matmul(M, Q, out=P)``, Gram-Schmidt, ``matmul(M.t(), P, out=Q)``, as
 ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` writes it). Top-k is also timed on
@@ -151,9 +152,15 @@ def peers(layout_name: str, x: torch.Tensor, device: torch.device, repeats: int)
     g = torch.Generator().manual_seed(0)
     q0 = torch.randn(side, 2, generator=g).to(device)
     p = torch.empty(side, 2, device=device)
+    total = torch.zeros(n, dtype=torch.float64, device=device)  # a server's float64 running sum
+
+    def add_into_sum():  # the floor of any decode + add into it: read x, read and write the sum
+        for i in range(0, n, 1 << 20):
+            total[i:i + (1 << 20)].add_(flat[i:i + (1 << 20)])
     rows = []
     for name, fn in (
         ("peer: y.copy_(x)", lambda: y.copy_(flat)),
+        ("peer: float64 sum += x (1M-element chunks)", add_into_sum),
         ("peer: torch.topk(|x|, k=0.1%) alone", lambda: torch.topk(flat.abs(), k, sorted=False)),
         ("peer: naive topk 0.1% + gather + 4-bit pack", lambda: _naive_topk_4bit(flat, k)),
         ("peer: torch PowerSGD hook math, rank 2", lambda: _hook_math(m, q0.clone(), p)),
@@ -196,9 +203,10 @@ def bench_layout(layout_name: str, tensors: dict[str, torch.Tensor], device: tor
     return rows
 
 
-def cold_start(spec: str = "topk(ratio=0.01)+qsgd(bits=4)") -> dict:
+def cold_start(spec: str = "topk(ratio=0.01)+qsgd(bits=4)", kernels: str = "auto") -> dict:
     """Seconds for ``import torch``, ``import fedcomp`` and the first encode of a 1M-element
-    update, in a fresh Python process (the same fedcomp as this one)."""
+    update, in a fresh Python process (the same fedcomp as this one), with ``FEDCOMP_KERNELS``
+    set to ``kernels`` ("1": the encode loads numba's kernels, as a client forced to would)."""
     code = (
         "import time, json; t0 = time.perf_counter(); import torch; t1 = time.perf_counter();"
         "import fedcomp; t2 = time.perf_counter();"
@@ -207,10 +215,12 @@ def cold_start(spec: str = "topk(ratio=0.01)+qsgd(bits=4)") -> dict:
         "print(json.dumps({'import_torch_s': t1 - t0, 'import_fedcomp_s': t2 - t1, 'first_encode_s': t3 - t2}))"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(fedcomp.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+               FEDCOMP_KERNELS=kernels)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, timeout=300)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["spec"] = spec
+    result["kernels"] = kernels
     return result
 
 
@@ -227,6 +237,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cold", action="store_true", help="measure the cold start even with --codecs (default: without)")
     ap.add_argument("--quick", action="store_true", help="1M elements, a few codecs, 2 repeats, no ResNet layout")
     ap.add_argument("--json", help="write the codec rows here (peers and cold start under their own keys)")
+    ap.add_argument("--kernels", choices=("auto", "0", "1"), default=None,
+                    help="FEDCOMP_KERNELS for this run: fused numba loops auto (default), off, or forced on")
     args = ap.parse_args(argv)
     resnet = args.resnet or args.sizes is None
     with_peers = args.peers or not args.codecs
@@ -238,11 +250,17 @@ def main(argv=None) -> None:
     codecs = CODECS if not args.codecs else tuple((s, dict(CODECS).get(s)) for s in args.codecs)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kernels is not None:
+        os.environ["FEDCOMP_KERNELS"] = args.kernels
+    from fedcomp import kernels
+
+    loaded = kernels.get() is not None  # the server path's kernels; encodes use them once loaded
     devices = [torch.device("cpu")]
     if torch.cuda.is_available() and not args.cpu_only:
         devices.append(torch.device("cuda"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); medians of {args.repeats} runs; "
-          f"load average {os.getloadavg()[0]:.1f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+          f"load average {os.getloadavg()[0]:.1f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+          f"fused kernels (numba) {'on' if loaded else 'off'} (FEDCOMP_KERNELS={kernels.mode()})")
     rows: list[dict] = []
     peer_rows: list[dict] = []
     for device in devices:
@@ -266,8 +284,12 @@ def main(argv=None) -> None:
     cold = None
     if with_cold:
         cold = cold_start()
+        forced = cold_start("kbit(bits=4)", kernels="1")  # a dense encode: the kernels load
         print(f"\ncold start (fresh process): import torch {cold['import_torch_s']:.2f} s, import fedcomp "
-              f"{cold['import_fedcomp_s']:.3f} s, first compress() of 1M elements {cold['first_encode_s']:.3f} s")
+              f"{cold['import_fedcomp_s']:.3f} s, first compress() of 1M elements {cold['first_encode_s']:.3f} s "
+              f"({cold['spec']}); kbit(bits=4) with FEDCOMP_KERNELS=1, which loads numba's kernels: "
+              f"{forced['first_encode_s']:.3f} s")
+        cold["first_encode_kernels_s"] = forced["first_encode_s"]
     if args.json:
         extra = {"peers": peer_rows, "cold_start": cold}
         with open(args.json, "w") as f:

@@ -1,0 +1,403 @@
+"""The numba loops behind :mod:`fedcomp.kernels` (imported only through ``kernels.get()``).
+
+Conventions: ``codes`` are uint8 codes of a run of elements starting at a block boundary (index
+0 = the first element of block 0 of the parameter arrays passed); a kernel handles elements
+[i0, i1) of that run and writes output element ``i - i0``. ``s`` is a float64 slice of the running
+sum, ``w`` the weight; ``out`` an fp32 buffer. fp32 arithmetic is written operation by operation
+as the torch path does it (no fast-math: each product and sum is rounded, nothing contracted).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_F32 = np.float32
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a * b + c rounded once (llvm.fma.f64): the sum step torch's ``add_(v, alpha=w)`` does on
+    the CPU, so sums match it for every weight, not only where ``w * v`` is exact."""
+    sig = types.float64(types.float64, types.float64, types.float64)
+
+    def codegen(context, builder, signature, args):
+        double = ir.DoubleType()
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(double, [double] * 3), "llvm.fma.f64")
+        return builder.call(fma, args)
+    return sig, codegen
+
+
+# -- codes -------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def unpack(data, count, bits, out):
+    """MSB-first packed codes of ``bits`` (1..8) bits -> out[:count] (uint8)."""
+    if bits == 8:
+        for i in range(count):
+            out[i] = data[i]
+    elif bits == 4:
+        half = count >> 1
+        for j in range(half):
+            b = data[j]
+            out[2 * j] = b >> 4
+            out[2 * j + 1] = b & 15
+        if count & 1:
+            out[count - 1] = data[half] >> 4
+    elif bits == 2:
+        full = count >> 2
+        for j in range(full):
+            b = data[j]
+            out[4 * j] = b >> 6
+            out[4 * j + 1] = (b >> 4) & 3
+            out[4 * j + 2] = (b >> 2) & 3
+            out[4 * j + 3] = b & 3
+        for i in range(4 * full, count):
+            out[i] = (data[i >> 2] >> (6 - 2 * (i & 3))) & 3
+    elif bits == 1:
+        full = count >> 3
+        for j in range(full):
+            b = data[j]
+            for k in range(8):
+                out[8 * j + k] = (b >> (7 - k)) & 1
+        for i in range(8 * full, count):
+            out[i] = (data[i >> 3] >> (7 - (i & 7))) & 1
+    else:
+        mask = (1 << bits) - 1
+        n = data.shape[0]
+        for i in range(count):
+            pos = i * bits
+            b = pos >> 3
+            off = pos & 7
+            word = np.int32(data[b]) << 8
+            if b + 1 < n:
+                word |= np.int32(data[b + 1])
+            out[i] = (word >> (16 - off - bits)) & mask
+
+
+# -- dequantize (out) or dequantize and add (s += w * value) ------------------------------------
+# Inner loops run over local slices from index 0: the form LLVM vectorizes (about 4x faster).
+@njit(cache=True, nogil=True)
+def kbit(codes, lo, scale, size, i0, i1, out, s, w, add):
+    """value = fp32(code) * scale[b] + lo[b] (two fp32 roundings, as KBit._values)."""
+    b = i0 // size
+    i = i0
+    while i < i1:
+        e = min(i1, (b + 1) * size)
+        sc = scale[b]
+        mn = lo[b]
+        c = codes[i:e]
+        if add:
+            t = s[i - i0:e - i0]
+            for j in range(e - i):
+                t[j] = _fma(w, np.float64(_F32(c[j]) * sc + mn), t[j])
+        else:
+            o = out[i - i0:e - i0]
+            for j in range(e - i):
+                o[j] = _F32(c[j]) * sc + mn
+        i = e
+        b += 1
+
+
+@njit(cache=True, nogil=True)
+def qsgd(codes, unit, top, size, i0, i1, out, s, w, add):
+    """value = fp32(+-(code & (2**top - 1))) * unit[b], the sign in bit ``top`` (QSGD._values;
+    ``unit`` = norm / levels, computed in fp32 by the caller). A level of 0 is +0.0 either sign."""
+    mask = (1 << top) - 1
+    b = i0 // size
+    i = i0
+    while i < i1:
+        e = min(i1, (b + 1) * size)
+        u = unit[b]
+        c = codes[i:e]
+        if add:
+            t = s[i - i0:e - i0]
+            for j in range(e - i):
+                cj = np.int32(c[j])
+                lv = cj & mask
+                t[j] = _fma(w, np.float64(_F32(-lv if (cj >> top) else lv) * u), t[j])
+        else:
+            o = out[i - i0:e - i0]
+            for j in range(e - i):
+                cj = np.int32(c[j])
+                lv = cj & mask
+                o[j] = _F32(-lv if (cj >> top) else lv) * u
+        i = e
+        b += 1
+
+
+@njit(cache=True, nogil=True)
+def sign(flags, scale, size, i0, i1, out, s, w, add):
+    """value = -scale[b] where the (unpacked) sign flag is set, else scale[b] (Sign's values)."""
+    b = i0 // size
+    i = i0
+    while i < i1:
+        e = min(i1, (b + 1) * size)
+        sc = scale[b]
+        c = flags[i:e]
+        if add:
+            t = s[i - i0:e - i0]
+            for j in range(e - i):
+                t[j] = _fma(w, np.float64(-sc if c[j] else sc), t[j])
+        else:
+            o = out[i - i0:e - i0]
+            for j in range(e - i):
+                o[j] = -sc if c[j] else sc
+        i = e
+        b += 1
+
+
+@njit(cache=True, nogil=True)
+def add_f32(values, s, w):
+    """s += w * float64(values), one rounding per element (as torch's add_(values, alpha=w))."""
+    for j in range(values.shape[0]):
+        s[j] = _fma(w, np.float64(values[j]), s[j])
+
+
+@njit(cache=True, nogil=True)
+def add_u16(bits16, table, s, w):
+    """s += w * float64(table[bits16]): fp16 / bf16 values through a 65,536-entry fp32 table."""
+    for j in range(bits16.shape[0]):
+        s[j] = _fma(w, np.float64(table[bits16[j]]), s[j])
+
+
+@njit(cache=True, nogil=True)
+def lut_u16(bits16, table, out):
+    """out = table[bits16] (fp16 / bf16 bit patterns to fp32)."""
+    for j in range(bits16.shape[0]):
+        out[j] = table[bits16[j]]
+
+
+@njit(cache=True, nogil=True)
+def lowrank(p, qt, r, m, lo, hi, out, s, w, add):
+    """Elements [lo, hi) of P Q^T (n x m, row-major), summed rank-1 term by term in order with
+    each product and sum rounded to fp32 (powersgd.reconstruct). ``p``: P flat (n * r, row-major),
+    ``qt``: Q^T flat (r * m): 1-D slices, the form LLVM vectorizes."""
+    row = np.empty(m, dtype=np.float32)
+    i = lo // m
+    e = lo
+    while e < hi:
+        j0 = e - i * m
+        j1 = min(m, hi - i * m)
+        n = j1 - j0
+        v = row[:n]
+        q0 = qt[j0:j1]
+        p0 = p[i * r]
+        for j in range(n):
+            v[j] = p0 * q0[j]
+        for k in range(1, r):
+            qk = qt[k * m + j0:k * m + j1]
+            pk = p[i * r + k]
+            for j in range(n):
+                v[j] = v[j] + pk * qk[j]
+        a = e - lo
+        if add:
+            t = s[a:a + n]
+            for j in range(n):
+                t[j] = _fma(w, np.float64(v[j]), t[j])
+        else:
+            o = out[a:a + n]
+            for j in range(n):
+                o[j] = v[j]
+        e = i * m + j1
+        i += 1
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def sumsq(v):
+    """Sum of float64(v[j])**2 (v: fp32 or fp64). Reassociation only (no other fast-math): the
+    loop is vectorized with partial sums, so the last bits depend on the CPU's vector width (as
+    torch's reductions do), not on anything else."""
+    t = 0.0
+    for j in range(v.shape[0]):
+        x = np.float64(v[j])
+        t += x * x
+    return t
+
+
+# -- encode: blockwise quantizers' codes (the client's write path) ------------------------------
+@njit(cache=True, nogil=True)
+def pack(codes, count, bits, out):
+    """codes[:count] (each < 2**bits) MSB-first into out (``bitpack.pack_bits``' bytes)."""
+    if bits == 8:
+        for i in range(count):
+            out[i] = codes[i]
+    elif bits == 4:
+        half = count >> 1
+        for j in range(half):
+            out[j] = (codes[2 * j] << 4) | codes[2 * j + 1]
+        if count & 1:
+            out[half] = codes[count - 1] << 4
+    elif bits == 2:
+        full = count >> 2
+        for j in range(full):
+            out[j] = (codes[4 * j] << 6) | (codes[4 * j + 1] << 4) | (codes[4 * j + 2] << 2) | codes[4 * j + 3]
+        if count & 3:
+            b = 0
+            for i in range(4 * full, count):
+                b |= codes[i] << (6 - 2 * (i & 3))
+            out[full] = b
+    else:
+        nbytes = (count * bits + 7) >> 3
+        for j in range(nbytes):
+            out[j] = 0
+        for i in range(count):
+            pos = i * bits
+            b = pos >> 3
+            off = pos & 7
+            word = np.int32(codes[i]) << (16 - off - bits)
+            out[b] |= (word >> 8) & 255
+            if off + bits > 8:
+                out[b + 1] |= word & 255
+
+
+@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
+def _minmax(v):
+    """(min, max) of finite values, vectorized (min and max are exact: any order gives them, up
+    to the sign of a zero, which callers check for)."""
+    mn = v[0]
+    mx = v[0]
+    for j in range(v.shape[0]):
+        mn = min(mn, v[j])
+        mx = max(mx, v[j])
+    return mn, mx
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _finite(v):
+    """Whether every value is finite: x - x is NaN exactly for NaN and +-inf (reassociation only,
+    so nothing folds x - x to 0)."""
+    z = _F32(0.0)
+    for j in range(v.shape[0]):
+        z += v[j] - v[j]
+    return z == 0
+
+
+@njit(cache=True, nogil=True)
+def kbit_codes(x, size, levels, u, stochastic, params, codes):
+    """KBit.write for one chunk (whole blocks from a block boundary): per block lo = min, scale =
+    (max - min) / levels, code = round((x - lo) / scale) (or floor(. + u) with ``u`` the uniforms
+    drawn for the padded rows), clamped to [0, levels]; params[b] = (lo, scale). fp32 operations
+    in torch's order. False (the caller's torch path takes the chunk) where a value is not
+    finite, or a block's min or max is a zero (whose sign torch's reduction picks)."""
+    m = x.shape[0]
+    nb = (m + size - 1) // size
+    lv = _F32(levels)
+    for b in range(nb):
+        a = b * size
+        e = min(m, a + size)
+        blk = x[a:e]
+        if not _finite(blk):
+            return False
+        mn, mx = _minmax(blk)
+        if mn == 0 or mx == 0:
+            return False
+        scale = (mx - mn) / lv
+        params[b, 0] = mn
+        params[b, 1] = scale
+        safe = scale if scale > 0 else _F32(1.0)
+        c = codes[a:e]
+        if stochastic:
+            ub = u[a:e]
+            for j in range(e - a):
+                t = np.floor((blk[j] - mn) / safe + ub[j])
+                c[j] = np.uint8(min(max(t, _F32(0.0)), lv))
+        else:
+            for j in range(e - a):
+                t = np.rint((blk[j] - mn) / safe)
+                c[j] = np.uint8(min(max(t, _F32(0.0)), lv))
+    return True
+
+
+@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
+def _absmax(v):
+    nm = _F32(0.0)
+    for j in range(v.shape[0]):
+        nm = max(nm, abs(v[j]))
+    return nm
+
+
+@njit(cache=True, nogil=True)
+def qsgd_codes(x, size, levels, top, use_max, norms, u, codes):
+    """QSGD.write for one chunk: per bucket the norm (max |x|, or ``norms`` given), level =
+    clamp(floor(|x| * s / norm + u), 0, s), code = level | (x < 0) << top. ``norms`` is written
+    (max) or read (l2). False where a value or norm is not finite (the torch path takes it)."""
+    m = x.shape[0]
+    nb = (m + size - 1) // size
+    s = _F32(levels)
+    for b in range(nb):
+        a = b * size
+        e = min(m, a + size)
+        blk = x[a:e]
+        if not _finite(blk):
+            return False
+        if use_max:
+            nm = _absmax(blk)
+            norms[b] = nm
+        else:
+            nm = norms[b]
+        if not np.isfinite(nm):
+            return False
+        safe = nm if nm > 0 else _F32(1.0)
+        ub = u[a:e]
+        c = codes[a:e]
+        for j in range(e - a):
+            v = blk[j]
+            t = np.floor(abs(v) * s / safe + ub[j])
+            lvl = np.uint8(min(max(t, _F32(0.0)), s))
+            c[j] = lvl | (np.uint8(1 << top) if v < 0 else np.uint8(0))
+    return True
+
+
+@njit(cache=True, nogil=True)
+def sign_pack(x, flags, out):
+    """Bit 1 (MSB first) where x < 0: ``pack_bits(x < 0, 1)``'s bytes. ``flags``: a uint8 scratch
+    of len(x). Flags are formed in one vectorized pass, then 8 at a time packed by one multiply
+    (byte k of a little-endian word lands on bit 7 - k of the top byte)."""
+    n = x.shape[0]
+    for j in range(n):
+        flags[j] = 1 if x[j] < 0 else 0
+    full = n >> 3
+    words = flags[:full * 8].view(np.uint64)
+    for j in range(full):
+        out[j] = np.uint8((words[j] * np.uint64(0x8040201008040201)) >> np.uint64(56))
+    if n & 7:
+        b = np.uint8(0)
+        for i in range(8 * full, n):
+            b |= np.uint8(1 << (7 - (i & 7))) if flags[i] else np.uint8(0)
+        out[full] = b
+
+
+@njit(cache=True, nogil=True)
+def count_code(data, count, code):
+    """How many of the first ``count`` 2-bit codes (MSB first) equal ``code``."""
+    n = 0
+    for i in range(count):
+        n += ((data[i >> 2] >> (6 - 2 * (i & 3))) & 3) == code
+    return n
+
+
+@njit(cache=True, nogil=True)
+def table2(codes, table, i0, i1, out, s, w, add):
+    """value = table[code] for 2-bit codes (twobit, terngrad: +-t or 0 per code)."""
+    c = codes[i0:i1]
+    if add:
+        t = s[:i1 - i0]
+        for j in range(i1 - i0):
+            t[j] = _fma(w, np.float64(table[c[j]]), t[j])
+    else:
+        o = out[:i1 - i0]
+        for j in range(i1 - i0):
+            o[j] = table[c[j]]
+
+
+@njit(cache=True, nogil=True)
+def twobit_codes(x, t, codes):
+    """TwoBit codes: 3 where x >= t, 2 where x <= -t, else 0 (NaN: 0); ``t`` is fp32, as torch
+    compares an fp32 tensor with a Python float."""
+    nt = -t
+    for j in range(x.shape[0]):
+        v = x[j]
+        codes[j] = 3 if v >= t else (2 if v <= nt else 0)

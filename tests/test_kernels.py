@@ -1,0 +1,152 @@
+"""The fused CPU loops (fedcomp.kernels, numba) give the bits of the torch path they replace:
+decoded values, sums for any weight (integer or not), and norms to the last few ulps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fedcomp
+from fedcomp import aggregate, kernels, quantizers
+from fedcomp.aggregate import Accumulator
+
+pytestmark = pytest.mark.skipif(kernels.get() is None, reason="numba not installed")
+
+SPECS = [
+    "none()", "fp16()", "bf16()", "sign()", "sign(block=100)", "kbit(bits=4)", "kbit(bits=8)", "kbit(bits=1)",
+    "kbit(bits=2)", "kbit(bits=3,block=100)", "kbit(bits=7,block=33)", "kbit(bits=5,block=0,stochastic=true)",
+    "kbit(bits=4,coding='ans')", "qsgd(bits=4)", "qsgd(bits=2)", "qsgd(bits=8)", "qsgd(bits=3,bucket=77)",
+    "qsgd(bits=6,bucket=0,norm='l2')", "powersgd(rank=2)", "powersgd(rank=1)",
+    "powersgd(rank=3,min_compression=0)+qsgd(bits=8)", "twobit(threshold=0.5)", "twobit(threshold=0.001)",
+    "terngrad()", "terngrad(clip=0)",
+]
+WEIGHTS = (1, 3.0, 0.3, 1e-7, 12345)
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(71, 47, generator=g), "b": torch.randn(5, generator=g),
+            "h": torch.randn(33, 9, generator=g).half(), "d": torch.randn(4, 3, 7, generator=g).double(),
+            "z": torch.zeros(100), "n": torch.tensor([seed], dtype=torch.int64)}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]) if t.is_floating_point() else t
+
+
+def _run(spec: str):
+    codec = fedcomp.build_codec(spec)
+    layout = fedcomp.Layout.of(_model(0))
+    acc = Accumulator(codec, layout)
+    decoded, norms = [], []
+    for i, w in enumerate(WEIGHTS, start=1):
+        payload = codec.encode(_model(i), nonce=i, round=1, state={}).payload
+        decoded.append(codec.decode(payload, layout, round=1))
+        update = acc.decode(payload, round=1)
+        norms.append(update.norm())
+        acc.add_update(update, w)
+    return decoded, norms, acc.sum()
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_kernels_give_the_torch_paths_bits(spec, monkeypatch):
+    monkeypatch.setattr(aggregate, "CHUNK", 600)  # chunks start inside blocks and tensors
+    monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 1000)
+    monkeypatch.setenv("FEDCOMP_KERNELS", "0")
+    ref = _run(spec)
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    got = _run(spec)
+    for a, b in zip(ref[0], got[0]):
+        for name in a:
+            assert torch.equal(_bits(a[name]), _bits(b[name])), name
+    for name in ref[2]:  # FMA like torch's add_(alpha=w): the same sum for non-integer weights too
+        assert torch.equal(_bits(ref[2][name]), _bits(got[2][name])), name
+    for a, b in zip(ref[1], got[1]):  # reduction order differs: the last bits only
+        assert math.isclose(a, b, rel_tol=1e-12)
+
+
+def test_kernel_norm_refuses_non_finite(monkeypatch):
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    codec = fedcomp.build_codec("none()")
+    layout = fedcomp.Layout.of({"x": torch.zeros(3000)})
+    x = torch.randn(3000)
+    x[2999] = float("inf")
+    acc = Accumulator(codec, layout)
+    with pytest.raises(aggregate.UpdateRejected):
+        acc.add(codec.encode({"x": x}).payload, 1.0)
+    assert acc.count == 0
+
+
+def test_unpack_matches_unpack_codes():
+    k = kernels.get()
+    g = torch.Generator().manual_seed(0)
+    for bits in range(1, 9):
+        for count in (1, 7, 8, 9, 100, 1001):
+            codes = torch.randint(0, 1 << bits, (count,), generator=g, dtype=torch.int64)
+            packed = quantizers.pack_bits(codes, bits)
+            out = torch.empty(count, dtype=torch.uint8)
+            k.unpack(packed.numpy(), count, bits, out.numpy())
+            assert torch.equal(out.long(), codes), (bits, count)
+
+
+ENCODE_SPECS = [
+    "sign()", "sign(block=100)", "sign(block=7)", "kbit(bits=4)", "kbit(bits=8)", "kbit(bits=1)", "kbit(bits=2)",
+    "kbit(bits=3,block=100)", "kbit(bits=7,block=33)", "kbit(bits=5,block=0,stochastic=true)",
+    "kbit(bits=4,stochastic=true)", "qsgd(bits=4)", "qsgd(bits=2)", "qsgd(bits=8)", "qsgd(bits=3,bucket=77)",
+    "qsgd(bits=6,bucket=0,norm='l2')", "qsgd(bits=4,norm='l2')", "topk(ratio=0.01)+qsgd(bits=4)",
+    "topk(ratio=0.1)+kbit(bits=4)", "topk(ratio=0.01)+sign()", "powersgd(rank=2)+qsgd(bits=8)",
+    "kbit(bits=4,coding='ans')", "twobit(threshold=0.5)", "twobit(threshold=1e-45)",
+    "topk(ratio=0.1)+twobit(threshold=0.3)",
+]
+
+
+def _encode_inputs():
+    g = torch.Generator().manual_seed(0)
+    yield "randn", {"w": torch.randn(61, 147, generator=g), "b": torch.randn(5, generator=g),
+                    "h": torch.randn(33, 9, generator=g).half()}
+    yield "const", {"w": torch.full((3000,), 0.5)}
+    yield "zeros", {"w": torch.where(torch.rand(2049, generator=g) < 0.5, 0.0, -0.0)}  # signed zeros
+    yield "relu", {"w": -torch.relu(torch.randn(3000, generator=g))}  # blocks whose max is a zero
+    yield "one", {"w": torch.tensor([3.0])}
+    yield "ties", {"w": (torch.randint(-3, 4, (5000,), generator=g) / 2).float()}
+    for bad, at in ((float("nan"), 17), (float("inf"), 700), (-float("inf"), 3999)):
+        x = torch.randn(4000, generator=g)
+        x[at] = bad
+        yield f"{bad}", {"w": x}
+    yield "huge", {"w": torch.randn(7000, generator=g) * 1e30}
+    yield "subnormal", {"w": torch.randn(7000, generator=g) * 1e-40}
+
+
+@pytest.mark.parametrize("spec", ENCODE_SPECS)
+def test_encode_kernels_give_the_same_payload(spec, monkeypatch):
+    monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 3000)  # several chunks, a ragged last one
+    codec = fedcomp.build_codec(spec)
+    for name, x in _encode_inputs():
+        payloads = []
+        for flag in ("0", "1"):
+            monkeypatch.setenv("FEDCOMP_KERNELS", flag)
+            try:
+                payloads.append(codec.encode(x, nonce=5, round=2, state={}).payload)
+            except fedcomp.FedcompError as e:  # refused alike either way
+                payloads.append(type(e).__name__)
+        assert payloads[0] == payloads[1], name
+
+
+@pytest.mark.parametrize("spec,code", [("twobit()", 1), ("terngrad()", 3)])
+def test_unused_two_bit_code_is_refused_before_adding(spec, code, monkeypatch):
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    codec = fedcomp.build_codec(spec)
+    layout = fedcomp.Layout.of({"x": torch.zeros(1000)})
+    good = codec.encode({"x": torch.randn(1000)}, nonce=1).payload
+    acc = Accumulator(codec, layout)
+    acc.add(good, 2.0)
+    before = acc.sum()["x"]
+    body = bytearray(good)
+    body[-5] = (body[-5] & 0b11111100) | code  # the last code of the last tensor: the unused one
+    from fedcomp.wire import crc32
+    body[-4:] = crc32(bytes(body[:-4])).to_bytes(4, "little")
+    with pytest.raises(fedcomp.DecodeError, match="unused code"):
+        acc.add(bytes(body), 1.0)
+    assert torch.equal(acc.sum()["x"], before) and acc.count == 1
