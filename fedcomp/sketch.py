@@ -8,6 +8,12 @@ x_j = median_r s_r(j) S[r, h_r(j)] and keeps the k = ceil(ratio * n) largest est
 heavy hitters); with cols >= 8k and a few rows, every estimate is within O(||tail_k(x)|| / sqrt(k)).
 Upload compression is n / (rows * cols).
 
+Default dimensions scale with the segment: ``sketch()`` is one row of ``cols = ceil(n / 64)``
+cells (64x fewer values than the segment, at least ``MIN_AUTO_COLS`` and at most n), so the same
+spec fits the 234k-parameter digits MLP (3,659 cells) and a 1.2M-parameter ResNet (19,211). A spec
+that names ``cols`` keeps it; its ``rows`` default stays 5, the former default, so specs written
+before the scaling decode to the same tables (``sketch(cols=1000)`` is still 5 x 1000).
+
 Memory: no n-sized table is kept for a large segment (rows x n > ``HASH_CACHE``): hashes and signs
 are regenerated chunk by chunk from saved generator states (the same values), and unsketching
 estimates and ranks ``SELECT_CHUNK`` elements at a time, so sketching, estimating and taking the
@@ -30,6 +36,9 @@ HASH_CHUNK = 1 << 18  # hash entries per regenerated chunk (temporaries of about
 # estimates ranked per torch.topk call when unsketching (its scratch: 16 bytes an estimate); every
 # model of the project's tasks (up to 1.2M floats) is one chunk, as before chunking
 SELECT_CHUNK = 1 << 21
+AUTO_COMPRESSION = 64  # cols=0 (default): ceil(n / 64) cells in one row (module docstring)
+MIN_AUTO_COLS = 256  # ... but at least this many (or n for a smaller segment)
+EXPLICIT_COLS_ROWS = 5  # rows=0 (default) with cols given: the former default
 
 
 @register
@@ -42,16 +51,16 @@ class CountSketch(Reducer):
 
     @dataclass(frozen=True)
     class Config:
-        rows: int = 5  # hash rows (independent estimates, combined by median)
-        cols: int = 1000  # cells per row; upload compression n / (rows * cols)
+        rows: int = 0  # hash rows (estimates combined by median); 0: 1 with automatic cols, else 5
+        cols: int = 0  # cells per row, upload compression n / (rows * cols); 0: ceil(n / 64) per segment
         ratio: float = 0.005  # fraction of elements recovered as heavy hitters when decoding
         seed: int = 0  # seeds hashes and signs; must be the same on every client and the server
 
     def validate(self) -> None:
-        if not 1 <= self.config.rows <= 64:
-            self.fail("rows", "an integer from 1 to 64")
-        if not 1 <= self.config.cols <= 2**28:
-            self.fail("cols", "a positive integer up to 2**28")
+        if not 0 <= self.config.rows <= 64:
+            self.fail("rows", "an integer from 1 to 64 (0: 1 with automatic cols, else 5)")
+        if not 0 <= self.config.cols <= 2**28:
+            self.fail("cols", "a positive integer up to 2**28 (0: ceil(n / 64) cells for a segment of n)")
         if not 0 < self.config.ratio <= 1:
             self.fail("ratio", "a fraction in (0, 1]")
         if not 0 <= self.config.seed < 2**32:  # seeds torch.Generator via seed * 1_000_003 + n (< 2**63)
@@ -60,6 +69,19 @@ class CountSketch(Reducer):
         # generator's state at every HASH_BLOCK-aligned position (large ones: regenerated per chunk)
         self._hashes: dict[tuple[int, str], tuple] = {}
 
+    # -- dimensions -------------------------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        """Hash rows: as written, else 1 with automatic cols and 5 with cols given."""
+        return self.config.rows or (EXPLICIT_COLS_ROWS if self.config.cols else 1)
+
+    def cols(self, n: int) -> int:
+        """Cells per row for a segment of ``n`` elements: as written, else ``ceil(n / 64)``
+        (at least ``min(n, MIN_AUTO_COLS)``, at least 1)."""
+        if self.config.cols:
+            return self.config.cols
+        return max(1, min(n, MIN_AUTO_COLS), math.ceil(n / AUTO_COMPRESSION))
+
     # -- hashing ----------------------------------------------------------------------------
     # Hashes and signs are torch.randint draws from one CPU generator seeded by (seed, n): all
     # buckets row by row, then all signs row by row (one 32-bit draw per value, in order). Small
@@ -67,12 +89,12 @@ class CountSketch(Reducer):
     # each row and regenerate the tables chunk by chunk (the same values, no n-sized table).
     def _block(self) -> int:
         """Elements per regenerated chunk: a power of two, rows x block <= HASH_CHUNK."""
-        return 1 << max(0, (HASH_CHUNK // self.config.rows).bit_length() - 1)
+        return 1 << max(0, (HASH_CHUNK // self.rows).bit_length() - 1)
 
     def _plan(self, n: int, device: torch.device) -> tuple:
         key = (n, str(device))
         if key not in self._hashes:
-            rows, cols = self.config.rows, self.config.cols
+            rows, cols = self.rows, self.cols(n)
             gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + n)
             self._hashes.clear()  # one layout at a time: bounded memory
             if rows * n <= HASH_CACHE:
@@ -97,7 +119,7 @@ class CountSketch(Reducer):
         (lo: a multiple of the chunk size); the values of the tables of all n elements."""
         hi = n if hi is None else hi
         plan = self._plan(n, device)
-        rows, cols = self.config.rows, self.config.cols
+        rows, cols = self.rows, self.cols(n)
         if plan[0] == "tables":
             _, cells, signs = plan
             step = max(1, HASH_CHUNK // rows)
@@ -122,7 +144,7 @@ class CountSketch(Reducer):
 
     def sketch(self, x: torch.Tensor) -> torch.Tensor:
         """The table (rows * cols, flattened) of a 1-D vector."""
-        table = torch.zeros(self.config.rows * self.config.cols, device=x.device)
+        table = torch.zeros(self.cells(x.numel()), device=x.device)
         for a, b, cells, signs in self._hash_chunks(x.numel(), x.device):
             # each cell gets its elements in index order, as one index_add_ over all would add them
             table.index_add_(0, cells.reshape(-1), (signs * x[a:b]).reshape(-1))
@@ -170,12 +192,16 @@ class CountSketch(Reducer):
         y[idx] = val
         return y
 
+    def cells(self, n: int) -> int:
+        """Table size (rows x cols) for a segment of ``n`` elements."""
+        return self.rows * self.cols(n)
+
     def kept(self, n: int) -> int:
         return min(n, max(1, math.ceil(round(self.config.ratio * n, 6)))) if n else 0
 
     # -- reducer ----------------------------------------------------------------------------
     def count(self, seg: Segment) -> int | None:
-        return self.config.rows * self.config.cols
+        return self.cells(seg.numel)
 
     def side_nbytes(self, seg: Segment, count: int) -> int | None:
         return 0
@@ -187,7 +213,7 @@ class CountSketch(Reducer):
         return None
 
     def value_count(self, aux, seg: Segment) -> int:
-        return self.config.rows * self.config.cols
+        return self.cells(seg.numel)
 
     def expand(self, values: torch.Tensor, aux, seg: Segment) -> torch.Tensor:
         return self.heavy_hitters(values, seg.numel)

@@ -421,13 +421,14 @@ class CompressedStrategy(Strategy):
         """Send the model's running statistics (BatchNorm's ``running_mean``/``running_var``) exact:
         compressed like weights, with error feedback, they drift and a variance goes negative
         (measured: ``python -m fedcomp.simulations.task_runs bn-check``). The upload and every lossy
-        download tier get ``name~*running_*: none();`` rules in front, before any tier has encoded."""
+        download tier get ``name~*running_*: none();`` rules in front, before any tier has encoded.
+        With FetchSGD (``aggregation="sketch"``) they travel beside the sketch and are averaged
+        exactly (:class:`fedcomp.server_feedback.ServerFeedback`)."""
         if not self.config.exact_statistics or not split_kinds(layout)[STATISTIC]:
             return
-        if self.aggregation == "sketch" or self.config.link_profile != links.NONE:
+        if self.config.link_profile != links.NONE:
             log(WARNING, "fedcomp: the model has running statistics (BatchNorm), compressed like weights here "
-                "(%s); a negative variance is possible: prefer aggregation='decode' without link budgets for it",
-                "FetchSGD sketches every float" if self.aggregation == "sketch" else "byte budgets need a plain spec")
+                "(byte budgets need a plain spec); a negative variance is possible: prefer no link budgets for it")
             return
         self._statistics_layout = layout
         self.set_upload(self.upload.spec)
@@ -556,7 +557,7 @@ class CompressedStrategy(Strategy):
             raise NonFiniteModel(
                 f"fedcomp: the global model of round {server_round} has a negative running variance in "
                 f"{negative[:5]} (aggregation {self.aggregation!r}, upload {self.upload.spec!r}); the run stops. "
-                f"Keep exact_statistics=True with aggregation='decode' (the default for BatchNorm models)")
+                f"Keep exact_statistics=True (the default) and no link budgets for a BatchNorm model")
         if bad:
             raise NonFiniteModel(
                 f"fedcomp: the global model of round {server_round} has NaN or Inf values in {bad[:5]}"

@@ -57,7 +57,8 @@ def test_hashes_are_shared_through_the_seed():
 
 
 def test_bad_sketch_parameters():
-    for spec, word in [("sketch(rows=0)", "rows"), ("sketch(cols=0)", "cols"), ("sketch(ratio=2)", "ratio")]:
+    for spec, word in [("sketch(rows=-1)", "rows"), ("sketch(rows=65)", "rows"), ("sketch(cols=-1)", "cols"),
+                       ("sketch(cols=268435457)", "cols"), ("sketch(ratio=2)", "ratio")]:
         with pytest.raises(fedcomp.SpecError, match=word):
             fedcomp.build_codec(spec)
     with pytest.raises(fedcomp.SpecError, match="linear"):
@@ -115,3 +116,19 @@ def test_fetchsgd_beats_local_residuals_under_partial_participation():
     # FetchSGD's error accumulation on the server keeps everything that was sent
     assert err_local > 0.7, err_local  # measured 0.80: most of the signal left with the clients
     assert err_fetch < 0.6 * err_local, (err_fetch, err_local)  # measured 0.42
+
+
+def test_default_dimensions_scale_with_the_segment():
+    """sketch(): one row of ceil(n / 64) cells per segment (at least min(n, 256)); a spec that
+    names cols keeps the former 5 rows, so its tables are what they were."""
+    auto = fedcomp.build_codec("sketch()").reducer
+    assert (auto.rows, auto.cols(234_122), auto.cols(421_738), auto.cols(1000), auto.cols(10)) == (1, 3659, 6590, 256, 10)
+    for n in (234_122, 1_229_482):
+        assert n / auto.cells(n) >= 63.9
+    assert fedcomp.build_codec("sketch(cols=1000)").reducer.cells(234_122) == 5000
+    assert fedcomp.build_codec("sketch(rows=3)").reducer.cells(64_000) == 3000
+    x = {"w": torch.randn(20_000), "b": torch.randn(300)}
+    payload = fedcomp.build_codec("sketch()").encode(x).payload
+    old = fedcomp.build_codec("sketch(rows=5, cols=1000, ratio=0.005, seed=0)")
+    assert len(payload) < len(old.encode(x).payload)  # 20300 / 64 = 318 cells against 5000
+    assert fedcomp.build_codec("sketch(cols=1000)").reducer.sketch(x["w"]).equal(old.reducer.sketch(x["w"]))
