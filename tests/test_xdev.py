@@ -38,7 +38,8 @@ def test_quantized_sketch_upload_is_summed_in_sketch_space_by_server_feedback():
     step = ref.step()
     assert int((step["w"] != 0).sum()) > 0
     assert torch.allclose(new["w"], model["w"] + step["w"], atol=1e-6)
-    assert torch.equal(new["steps"], model["steps"])  # integer buffers keep the base
+    # integer buffers (counters) advance by the clients' rounded mean increment (+1 each), as in decoded rounds
+    assert int(step["steps"]) == 1 and torch.equal(new["steps"], model["steps"] + 1)
     # clients keep no residual (the error lives on the server)
     assert all("fedcomp.residual" not in c.state.array_records for c in contexts.values())
 
@@ -180,7 +181,8 @@ def test_coupled_download_moves_the_model_by_exactly_what_it_broadcasts():
         assert tier.version == r + 1 and all(torch.equal(tier.reference[k], model[k]) for k in model)
         if r > 1:
             assert strategy.rounds[r].encodes == 0  # the aggregate's payload is the tier's step: no second encode
-    assert not torch.equal(model["w"], model0["w"]) and torch.equal(model["steps"], model0["steps"])
+    # weights moved; the counter advanced by the clients' mean increment (+1) every round, through the broadcast
+    assert not torch.equal(model["w"], model0["w"]) and int(model["steps"]) == int(model0["steps"]) + 4
     # a node replaying the chain from the seeded model holds the global model bit for bit
     _drive(strategy, model, contexts, 5, mod)
     for c in contexts.values():
