@@ -189,9 +189,10 @@ class CompressedStrategy(Strategy):
         sketch space, applies the top-k heavy hitters of the accumulated error, and zeroes
         momentum and error at the cells those coordinates hash to. Clients keep no residual
         (error feedback is server side, so it holds when each client takes part rarely); the
-        inner strategy still samples clients, but its aggregation is not used; integer buffers
-        keep their broadcast values. Does not combine with budgets (clients' sketches would
-        differ in ``cols``).
+        inner strategy still samples clients, but its aggregation is not used. Running
+        statistics (``exact_statistics``) travel exact beside the sketch and are averaged,
+        integer buffers advance by the clients' rounded mean increment. Does not combine with
+        budgets (clients' sketches would differ in ``cols``).
     server_momentum : float (default: 0.0)
         FetchSGD's momentum rho in sketch space (``aggregation="sketch"`` only).
     delta : float (default: 0.0)
