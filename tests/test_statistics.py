@@ -73,8 +73,7 @@ def test_running_variance_is_the_clients_mean(upload):
     assert sent[P.DOWNLOAD_SPEC].startswith("name~*running_mean: none(); name~*running_var: none(); ")
 
 
-@pytest.mark.parametrize("download", ["none()", "auto"])
-def test_fetchsgd_carries_statistics_beside_the_sketch(download):
+def test_fetchsgd_carries_statistics_beside_the_sketch(download="auto"):
     """aggregation='sketch': the statistics travel exact beside the sketch and are the clients'
     weighted mean, the counter advances, the weights still move by heavy hitters (coupled
     download included: 'auto' broadcasts the server's step with the statistics exact)."""
