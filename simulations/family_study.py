@@ -59,7 +59,8 @@ def _tail(run: dict, last: int = 5) -> float:
 def table(path: Path = OUT) -> str:
     """Markdown table per regime: each spec's mean accuracy of the last 5 rounds (mean over seeds),
     gap to dense, upload bytes ratio, whether every round stayed finite."""
-    runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    runs = [r for r in rows if "stopped" not in r]
     regime = lambda r: (r["task"], r["model"], len(r["rounds"]), r["clients"], r["fraction"])  # noqa: E731
     lines = []
     for key in sorted({regime(r) for r in runs}):
@@ -85,6 +86,9 @@ def table(path: Path = OUT) -> str:
             shown = mine[-1]["upload"] if spec != DENSE else "dense"
             lines.append(f"| {family} | `{shown}` | {acc:.2f} | {base:.2f} | {acc - base:+.2f} | {ratio:.1f} | "
                          f"{len(mine)} | {'yes' if finite else 'NO'} |")
+        for r in rows:
+            if "stopped" in r and (r["task"], r["model"], r["planned_rounds"], r["clients"], r["fraction"]) == key:
+                lines.append(f"| {r['family']} | `{r['spec']}` | stopped | | | | seed {r['seed']} | {r['stopped'][:160]} |")
     return "\n".join(lines).strip()
 
 
@@ -104,6 +108,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import logging
 
+    import fedcomp
+
     logging.getLogger("flwr").setLevel(logging.WARNING)
     if args.table:
         print(table(args.out))
@@ -115,8 +121,16 @@ def main(argv=None) -> None:
     todo += [(s.partition("(")[0].partition("+")[0].strip(), s) for s in args.spec]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for family, spec in todo:
-        out = run(spec, task=args.task, model=args.model, rounds=args.rounds, clients=args.clients,
-                  fraction=args.fraction, lr=args.lr, seed=args.seed, family=family)
+        try:
+            out = run(spec, task=args.task, model=args.model, rounds=args.rounds, clients=args.clients,
+                      fraction=args.fraction, lr=args.lr, seed=args.seed, family=family)
+        except fedcomp.FedcompError as exc:  # a run the wrapper stopped (non-finite model, no usable replies)
+            print(f"{family:10s} {spec:40s} stopped: {exc}", flush=True)
+            with args.out.open("a") as f:
+                f.write(json.dumps({"family": family, "spec": spec, "task": args.task, "model": args.model,
+                                    "clients": args.clients, "fraction": args.fraction, "seed": args.seed,
+                                    "planned_rounds": args.rounds, "stopped": str(exc)[:500]}) + "\n")
+            continue
         with args.out.open("a") as f:
             f.write(json.dumps(out) + "\n")
         print(f"{family:10s} {spec:40s} acc(last5) {_tail(out):.2f}%  upload {out['rounds'][-1]['upload_bytes']:,} B  "

@@ -119,16 +119,17 @@ def test_fetchsgd_beats_local_residuals_under_partial_participation():
 
 
 def test_default_dimensions_scale_with_the_segment():
-    """sketch(): one row of ceil(n / 64) cells per segment (at least min(n, 256)); a spec that
-    names cols keeps the former 5 rows, so its tables are what they were."""
-    auto = fedcomp.build_codec("sketch()").reducer
-    assert (auto.rows, auto.cols(234_122), auto.cols(421_738), auto.cols(1000), auto.cols(10)) == (1, 3659, 6590, 256, 10)
-    for n in (234_122, 1_229_482):
-        assert n / auto.cells(n) >= 63.9
-    assert fedcomp.build_codec("sketch(cols=1000)").reducer.cells(234_122) == 5000
-    assert fedcomp.build_codec("sketch(rows=3)").reducer.cells(64_000) == 3000
-    x = {"w": torch.randn(20_000), "b": torch.randn(300)}
-    payload = fedcomp.build_codec("sketch()").encode(x).payload
+    """sketch(): one row of ceil(0.068 n) cells per segment (at least min(n, 256)) sent as
+    qsgd(bits=4); a spec that names cols keeps the former 5 rows of fp32 cells, the same tables."""
+    auto = fedcomp.build_codec("sketch()")
+    r = auto.reducer
+    assert (r.rows, r.cols(234_122), r.cols(421_738), r.cols(1000), r.cols(10)) == (1, 15921, 28679, 256, 10)
+    assert auto.quantizer.name == "qsgd" and auto.quantizer.config.bits == 4
+    assert fedcomp.build_codec("sketch()+none()").quantizer.name == "none"
+    explicit = fedcomp.build_codec("sketch(cols=1000)")
+    assert explicit.quantizer.name == "none" and explicit.reducer.cells(234_122) == 5000
+    assert fedcomp.build_codec("sketch(rows=3)").reducer.cells(64_000) == 3 * 4352
+    x = {"w": torch.randn(60_000), "b": torch.randn(300)}
+    assert 60_300 * 4 / len(auto.encode(x).payload) > 100  # 4,101 cells at 4 bits
     old = fedcomp.build_codec("sketch(rows=5, cols=1000, ratio=0.005, seed=0)")
-    assert len(payload) < len(old.encode(x).payload)  # 20300 / 64 = 318 cells against 5000
-    assert fedcomp.build_codec("sketch(cols=1000)").reducer.sketch(x["w"]).equal(old.reducer.sketch(x["w"]))
+    assert explicit.reducer.sketch(x["w"]).equal(old.reducer.sketch(x["w"]))  # the former default's tables
