@@ -274,3 +274,36 @@ def test_a_negative_running_variance_stops_the_run():
     strategy = CompressedStrategy(FedAvg(min_available_nodes=2, min_train_nodes=2), upload="none()")
     with pytest.raises(NonFiniteModel, match="negative running variance in \\['bn.running_var'\\]"):
         run_round(strategy, model, _contexts(2), 1, app=shrink)
+
+
+def _flwr_warnings():
+    import logging
+
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    return seen, Catch(level=logging.WARNING)
+
+
+@pytest.mark.parametrize("upload, fraction, warned", [
+    ("topk(ratio=0.1)", 0.5, True),  # biased, client residuals, half the nodes per round
+    ("topk(ratio=0.1)", 1.0, False),  # every node every round: residuals stay fresh
+    ("qsgd(bits=4)", 0.5, False),  # unbiased
+])
+def test_biased_upload_with_partial_participation_warns_once(upload, fraction, warned):
+    import logging
+
+    seen, handler = _flwr_warnings()
+    logging.getLogger("flwr").addHandler(handler)
+    try:
+        strategy = CompressedStrategy(FedAvg(fraction_train=fraction, min_available_nodes=4, min_train_nodes=2),
+                                      upload=upload, download="none()")
+        model, contexts = tiny_model(), _contexts(4)
+        for r in (1, 2):
+            model, _, _ = run_round(strategy, model, contexts, r)
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
+    assert sum("stale" in m for m in seen) == (1 if warned else 0)
