@@ -68,7 +68,7 @@ def table(path: Path = OUT) -> str:
         dense = {r["seed"]: r for r in group if r["spec"] == DENSE}
         lines += [f"\n{key[0]}/{key[1]}, {key[3]} clients x {key[4]:g} per round, {key[2]} rounds "
                   f"(mean accuracy of the last 5 rounds; seeds {sorted(dense) or '-'})\n",
-                  "| family | upload spec (as resolved) | accuracy % | dense % | gap (pt) | upload x fewer | seeds | finite |",
+                  "| family | upload spec | accuracy % | dense % | gap (pt) | upload x fewer | seeds | finite |",
                   "|---|---|---|---|---|---|---|---|"]
         specs = []
         for r in group:
