@@ -334,7 +334,7 @@ class CompressedStrategy(Strategy):
         log(WARNING, "fedcomp: upload %s is biased and relies on client residuals, but %d of %d nodes take part "
             "per round: a residual is stale when its client is sampled again (mnist cnn-bn, 100 clients at 10%%, "
             "30 rounds: topk() -5.1, sign() -4.7 points against dense; qsgd() +1.7). Use upload='auto' "
-            "(FetchSGD's server-side error, or qsgd(bits=4) for a BatchNorm model), sketch(), or an unbiased "
+            "(qsgd(bits=4) for a BatchNorm model, FetchSGD's server-side error otherwise) or an unbiased "
             "quantizer such as qsgd(bits=4)", self.upload.spec, sampled, connected)
 
     def _warn_biased(self) -> None:
