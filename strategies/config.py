@@ -206,7 +206,7 @@ class CompressionConfig:
         coupled = self.coupled_download
         if self.download == AUTO:
             coupled = sketch and self.link_profile == links.NONE
-            ratio = getattr(codec.reducer.config, "ratio", SKETCH_RATIO) if sketch else SKETCH_RATIO
+            ratio = getattr(codec.reducer, "ratio", SKETCH_RATIO) if sketch else SKETCH_RATIO  # sketch's effective share
             download = coupled_download(ratio) if coupled else SILO_DOWNLOAD
         else:
             download = self.download

@@ -126,9 +126,13 @@ def test_default_dimensions_scale_with_the_segment():
     assert (r.rows, r.cols(234_122), r.cols(421_738), r.cols(1000), r.cols(10)) == (1, 15921, 28679, 256, 10)
     assert auto.quantizer.name == "qsgd" and auto.quantizer.config.bits == 4
     assert fedcomp.build_codec("sketch()+none()").quantizer.name == "none"
+    assert auto.spec == "sketch(rows=1,cols=0,ratio=0.02,seed=0)" and r.kept(10_000) == 200
     explicit = fedcomp.build_codec("sketch(cols=1000)")
     assert explicit.quantizer.name == "none" and explicit.reducer.cells(234_122) == 5000
+    assert explicit.spec == "sketch(rows=5,cols=1000,ratio=0.005,seed=0)"  # the former default's canonical spec
     assert fedcomp.build_codec("sketch(rows=3)").reducer.cells(64_000) == 3 * 4352
+    with pytest.raises(fedcomp.SpecError, match="ratio"):
+        fedcomp.build_codec("sketch(ratio=-0.1)")
     x = {"w": torch.randn(60_000), "b": torch.randn(300)}
     assert 60_300 * 4 / len(auto.encode(x).payload) > 100  # 4,101 cells at 4 bits
     old = fedcomp.build_codec("sketch(rows=5, cols=1000, ratio=0.005, seed=0)")

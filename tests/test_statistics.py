@@ -82,7 +82,7 @@ def test_fetchsgd_carries_statistics_beside_the_sketch(download="auto"):
     expected = sum(w * _variance(n, 3) for w, n in zip(weights, NODES)) / weights.sum()
     assert torch.allclose(model["bn.running_var"], expected, rtol=1e-6, atol=0)
     assert int(model["bn.num_batches_tracked"]) == 9
-    assert sent[P.UPLOAD_SPEC] == "name~*running_mean: none(); name~*running_var: none(); sketch(rows=0,cols=0,ratio=0.1,seed=0)"
+    assert sent[P.UPLOAD_SPEC] == "name~*running_mean: none(); name~*running_var: none(); sketch(rows=1,cols=0,ratio=0.1,seed=0)"
     moved = (model["conv.weight"] != _model()["conv.weight"]).sum()
     assert 0 < moved < 128  # heavy hitters only, 3 rounds of ceil(0.1 x 160)
     assert strategy.feedback.nbytes == 2 * 4 * 160  # tables cover the 160 weights, not the statistics
