@@ -328,14 +328,18 @@ class CompressedStrategy(Strategy):
     def _warn_stale_residuals(self, sampled: int, connected: int) -> None:
         """A biased upload that relies on client residuals, configured for a run where each client
         takes part now and then (measured in ``simulations/figures/families``)."""
+        reducer = getattr(self.upload, "reducer", None)
+        quantizer = getattr(getattr(self.upload, "quantizer", None), "name", "")
+        stateful = (reducer is not None and not reducer.linear) or quantizer in ("sign", "twobit")
         if (self.requested.upload == AUTO or sampled >= connected or self.aggregation != "decode"
-                or not self.upload.needs_error_feedback or not self.error_feedback):
+                or not stateful or not self.upload.needs_error_feedback or not self.error_feedback):
             return
-        log(WARNING, "fedcomp: upload %s is biased and relies on client residuals, but %d of %d nodes take part "
-            "per round: a residual is stale when its client is sampled again (mnist cnn-bn, 100 clients at 10%%, "
-            "30 rounds: topk() -5.1, sign() -4.7 points against dense; qsgd() +1.7). Use upload='auto' "
-            "(qsgd(bits=4) for a BatchNorm model, FetchSGD's server-side error otherwise) or an unbiased "
-            "quantizer such as qsgd(bits=4)", self.upload.spec, sampled, connected)
+        log(WARNING, "fedcomp: upload %s is biased and relies on state kept on each client (residual, momentum, "
+            "warm start), but %d of %d nodes take part per round: that state is stale when its client is sampled "
+            "again (mnist cnn-bn, 100 clients at 10%%, 30 rounds: topk() -5.1, sign() -4.7, powersgd() -27.0, "
+            "dgc() -30.0 points against dense; qsgd() +1.7, sketch() -1.8). Use upload='auto' (qsgd(bits=4) "
+            "for a BatchNorm model, FetchSGD's server-side error otherwise), sketch(), or an unbiased quantizer "
+            "such as qsgd(bits=4)", self.upload.spec, sampled, connected)
 
     def _warn_biased(self) -> None:
         if self.upload.needs_error_feedback and not self.error_feedback and self.aggregation == "decode":
