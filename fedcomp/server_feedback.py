@@ -48,15 +48,26 @@ from fedcomp.aggregate import check_weight
 from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.fetchsgd import sketch_step
 from fedcomp.layout import Layout
+from fedcomp.wire import open_payload
 
 
 class ServerFeedback:
     """Sum clients' linear (sketched) uploads and apply heavy hitters of the server-side error.
 
+    Entries that must not enter the sketch travel beside it and are averaged exactly: with a
+    policy upload such as ``name~*running_mean: none(); name~*running_var: none(); sketch()``
+    (what :func:`fedcomp.tensor_kinds.exact_state_policy` writes, and ``CompressedStrategy``
+    uses for a model with BatchNorm), the rule with the linear reducer is sketched and the other
+    rules' tensors are decoded and averaged (weighted mean of the clients' deltas, no momentum, no
+    error table), so a running variance stays the mean of the clients' non-negative ones. Integer
+    tensors (``num_batches_tracked``) travel raw in every codec and advance by the rounded mean
+    of the clients' deltas.
+
     Parameters
     ----------
-    codec : Codec
-        The upload codec; its reducer must be linear (``sketch(...)``), any quantizer may follow.
+    codec : Codec or PolicyCodec
+        The upload codec: a linear reducer (``sketch(...)``), any quantizer may follow; or a
+        policy without ``round`` conditions whose rules hold exactly one such codec.
     layout : Layout
         The model's layout.
     momentum : float (default: 0.0)
@@ -64,42 +75,71 @@ class ServerFeedback:
     """
 
     def __init__(self, codec: Codec, layout: Layout, momentum: float = 0.0) -> None:
-        reducer = getattr(codec, "reducer", None)
-        if reducer is None or not reducer.linear:
-            raise SpecError(
-                f"server-side error feedback needs a linear upload codec such as "
-                f"'sketch(rows=1, cols=16000)+qsgd(bits=4)', got {getattr(codec, 'spec', codec)!r}"
-            )
         if not 0 <= momentum < 1:
             raise SpecError(f"momentum={momentum!r} is invalid: it must be in [0, 1)")
         self.codec = codec
         self.layout = layout
         self.momentum = float(momentum)
-        self._segments = codec.segments(layout)
-        self._sum: list[torch.Tensor] | None = None
+        self._rule, self._sketch_codec, self._sketch_layout, self._others = _split(codec, layout)
+        self._segments = self._sketch_codec.segments(self._sketch_layout)
+        # entries averaged exactly, in layout order: every tensor outside the sketched segments
+        sketched = {self._sketch_layout.tensors[i].name for _, group in self._segments for i in group}
+        self._exact = [t for t in layout.tensors if t.name not in sketched]
+        self._sum: list[torch.Tensor] | None = None  # per sketched segment, then the exact entries (flat)
         self._velocity: list[torch.Tensor] | None = None  # S_u
         self._error: list[torch.Tensor] | None = None  # S_e
         self.count = 0  # uploads added this round
         self.weight = 0.0  # their total weight
 
     @property
+    def reducer(self):
+        return self._sketch_codec.reducer
+
+    @property
     def nbytes(self) -> int:
         """Server memory between rounds: momentum and error tables."""
-        return sum(2 * 4 * self.codec.reducer.count(seg) for seg, _ in self._segments)
+        return sum(2 * 4 * self.reducer.count(seg) for seg, _ in self._segments)
 
     def decode(self, payload: bytes) -> list[torch.Tensor]:
-        """One upload's dequantized table values per segment, checked: DecodeError for a
+        """One upload's dequantized table values per sketched segment, then its exact entries
+        (one flat float64 vector, empty when there are none), checked: DecodeError for a
         malformed payload or NaN/Inf values (nothing is added)."""
-        values = self.codec.decode_values(payload, self.layout)
+        parts: dict[str, torch.Tensor] = {}
+        if self._rule is None:
+            tables = self._sketch_values(payload, parts)
+        else:
+            src, _ = open_payload(payload, self.layout.fingerprint(), self.codec.fingerprint)
+            tables = []
+            for i, sub, rule_codec in self._others:
+                rule = src.u8()
+                if rule != i:
+                    raise DecodeError(f"policy payload holds rule {rule} where rule {i} is expected")
+                body = src.take(src.u32()).numpy().tobytes()
+                if i == self._rule:
+                    tables = self._sketch_values(body, parts)
+                else:
+                    parts.update(rule_codec.decode(body, sub))
+            src.finish()
+        exact = (torch.cat([parts[t.name].reshape(-1).to(torch.float64) for t in self._exact])
+                 if self._exact else torch.zeros(0, dtype=torch.float64))
+        values = [*tables, exact]
         if not all(bool(torch.isfinite(v).all()) for v in values):
             raise DecodeError("upload has NaN or Inf values")
         return values
 
+    def _sketch_values(self, payload: bytes, parts: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        read, raw = self._sketch_codec.decode_parts(payload, self._sketch_layout)
+        for i, t in raw.items():
+            parts[self._sketch_layout.tensors[i].name] = t
+        return [vals for _, _, _, vals in read]
+
     def norm(self, values: list[torch.Tensor]) -> float:
-        """Estimate of the update's L2 norm from its tables: each row of a count sketch
-        preserves the norm in expectation, so ``sqrt(sum of squares / rows)``."""
-        rows = getattr(self.codec.reducer.config, "rows", 1)
-        return math.sqrt(sum(float(torch.linalg.vector_norm(v, dtype=torch.float64) ** 2) for v in values) / rows)
+        """Estimate of the sketched update's L2 norm from its tables: each row of a count sketch
+        preserves the norm in expectation, so ``sqrt(sum of squares / rows)``. The exact entries
+        (statistics, counters) are not gradients and do not count."""
+        rows = getattr(self.reducer, "rows", 1)
+        return math.sqrt(sum(float(torch.linalg.vector_norm(v, dtype=torch.float64) ** 2)
+                             for v in values[:-1]) / rows)
 
     def add(self, payload: bytes, weight: float = 1.0) -> None:
         """Add one client's upload with its weight (e.g. its number of examples), as it arrives.
@@ -139,7 +179,8 @@ class ServerFeedback:
 
     def step(self) -> dict[str, torch.Tensor]:
         """The update to apply this round (dense tensors, zero where nothing is applied) from the
-        weighted mean of the round's tables; integer tensors get zeros. Resets the round's sum."""
+        weighted mean of the round's tables; exact entries get the weighted mean of the clients'
+        deltas (integers rounded). Resets the round's sum."""
         return self._step(None, 0, 0)[0]
 
     def step_broadcast(
@@ -158,31 +199,39 @@ class ServerFeedback:
         (``kbit(bits=4)``) the study (``fedcomp.simulations.xdev_study``, scheme
         ``fetchsgd-c16000-q4+coupled``) collapsed to chance late in 2 of 5 runs; with
         ``kbit(bits=4, stochastic=true)`` it did not (``fetchsgd-c16000-q4+coupled-stoch``).
+        Exact entries (statistics) should travel exact in ``broadcast`` too (a policy with
+        ``none()`` for them, as ``CompressedStrategy`` builds).
         """
         out, payload = self._step(broadcast, nonce, round)
         assert payload is not None
         return out, payload
 
     def _step(self, broadcast: Codec | None, nonce: int, round: int) -> tuple[dict[str, torch.Tensor], bytes | None]:
-        reducer = self.codec.reducer
+        reducer = self.reducer
         out = {t.name: torch.zeros(t.shape, dtype=t.torch_dtype) for t in self.layout.tensors}
         if self._error is None:
             if self._sum is None:  # no upload ever: nothing to apply
                 return out, (broadcast.encode(out, nonce=nonce, round=round).payload if broadcast else None)
-            self._velocity = [torch.zeros(s.numel()) for s in self._sum]
-            self._error = [torch.zeros(s.numel()) for s in self._sum]
+            self._velocity = [torch.zeros(s.numel()) for s in self._sum[:-1]]
+            self._error = [torch.zeros(s.numel()) for s in self._sum[:-1]]
         # a round without uploads still applies what the error and momentum hold
         if self._sum is not None and self.weight > 0:
-            sums = [(s / self.weight).float() for s in self._sum]
+            sums = [s / self.weight for s in self._sum]
         else:
-            sums = [torch.zeros_like(e) for e in self._error]
+            sums = [torch.zeros(e.numel(), dtype=torch.float64) for e in self._error]
+            sums.append(torch.zeros(sum(t.numel for t in self._exact), dtype=torch.float64))
         for j, ((seg, group), s_j) in enumerate(zip(self._segments, sums)):
-            delta = sketch_step(reducer, self._velocity[j], self._error[j], s_j, self.momentum, seg.numel)
+            delta = sketch_step(reducer, self._velocity[j], self._error[j], s_j.float(), self.momentum, seg.numel)
             offset = 0
             for i in group:
-                spec = self.layout.tensors[i]
+                spec = self._sketch_layout.tensors[i]
                 out[spec.name] = delta[offset:offset + spec.numel].view(spec.shape).to(spec.torch_dtype)
                 offset += spec.numel
+        offset, mean = 0, sums[-1]
+        for spec in self._exact:  # the plain weighted mean of the clients' deltas
+            v = mean[offset:offset + spec.numel].view(spec.shape)
+            out[spec.name] = v.to(spec.torch_dtype) if spec.is_float else torch.round(v).to(spec.torch_dtype)
+            offset += spec.numel
         self._sum = None
         self.count, self.weight = 0, 0.0
         if broadcast is None:
@@ -190,10 +239,35 @@ class ServerFeedback:
         encoded = broadcast.encode(out, nonce=nonce, round=round)
         sent = broadcast.decode(encoded.payload, self.layout, round=round)
         for j, (seg, group) in enumerate(self._segments):  # the broadcast's loss stays in the error
-            names = [self.layout.tensors[i].name for i in group]
+            names = [self._sketch_layout.tensors[i].name for i in group]
             dropped = torch.cat([(out[n] - sent[n]).reshape(-1).float() for n in names])
             self._error[j].add_(reducer.sketch(dropped))
         return sent, encoded.payload
+
+
+def _split(codec, layout: Layout):
+    """(policy rule sketched or None, the sketch's codec, its sub-layout, [(rule, sub-layout,
+    codec)] of a policy's groups in payload order) for :class:`ServerFeedback`."""
+    rules = getattr(codec, "rules", None)
+    if rules is None:
+        reducer = getattr(codec, "reducer", None)
+        if reducer is None or not reducer.linear:
+            raise SpecError(
+                f"server-side error feedback needs a linear upload codec such as "
+                f"'sketch(rows=1, cols=16000)+qsgd(bits=4)', got {getattr(codec, 'spec', codec)!r}")
+        return None, codec, layout, []
+    if any(c.field == "round" for conds, _ in rules for c in conds):
+        raise SpecError(f"server-side error feedback needs a policy without round conditions (one grouping for "
+                        f"every round), got {codec.spec!r}")
+    groups = [(i, sub, rules[i][1]) for i, sub in codec.groups(layout, 0)]
+    linear = [g for g in groups if g[2].reducer is not None and g[2].reducer.linear]
+    if len(linear) != 1:
+        raise SpecError(
+            f"server-side error feedback needs exactly one policy rule with a linear reducer (sketch) holding "
+            f"tensors of this model, the others sent beside it (e.g. 'name~*running_var: none(); sketch()'), "
+            f"got {codec.spec!r} ({len(linear)} such rules in use)")
+    rule, sub, sketch_codec = linear[0]
+    return rule, sketch_codec, sub, groups
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ differently:
   momentum, a residual added back later) can drive a variance below zero, which turns every
   BatchNorm output into NaN.
 * ``counter``: integer buffers (``num_batches_tracked``). Codecs carry them raw; an aggregation
-  that applies only the float part (FetchSGD's sketch path) freezes them.
+  that applied only the float part (FetchSGD's sketch path once) froze them.
 
 The rule this module encodes: ``statistic`` and ``counter`` entries travel exact (``none()``:
 fp32 values, integers raw), are averaged plainly (weighted mean of the clients' deltas, rounded
@@ -62,9 +62,9 @@ def exact_state_policy(spec: str, layout: Layout | Mapping) -> str:
     """``spec`` with statistics sent exact: a policy whose first rules send every statistic
     buffer with ``none()`` (counters already travel raw in every codec).
 
-    Returns ``spec`` unchanged when the layout holds no statistic. The result is not linear,
-    so FetchSGD's sketch aggregation cannot use it: that path needs the exact entries carried
-    beside the sketch instead (see the report in ``simulations/bn_check.py``).
+    Returns ``spec`` unchanged when the layout holds no statistic. With a sketch as the default
+    rule the result is what FetchSGD's aggregation uses too: :class:`fedcomp.server_feedback.ServerFeedback`
+    sums the sketched rule in sketch space and averages the ``none()`` rules beside it.
 
     Raises
     ------

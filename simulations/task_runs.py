@@ -101,8 +101,8 @@ class CompressedFedAvg:
         spec = exact_state_policy(upload, self.layout) if exact_state and aggregation == "decode" else upload
         self.codec = fedcomp.build_codec(spec)
         self.aggregation, self.exact_state, self.seed = aggregation, exact_state, seed
-        if aggregation == "sketch" and not self.codec.linear:
-            raise ValueError(f"aggregation='sketch' needs a linear codec, got {upload!r}")
+        if aggregation == "sketch" and not (self.codec.reducer is not None and self.codec.reducer.linear):
+            raise ValueError(f"aggregation='sketch' needs a linear reducer (a quantizer may follow), got {upload!r}")
         self.error_feedback = error_feedback and aggregation == "decode"  # FetchSGD: the error lives on the server
         self.server_momentum = server_momentum
         # FetchSGD sketches the whole layout (as the wrapper does) or, exact_state, the weights alone

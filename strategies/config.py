@@ -21,12 +21,12 @@ when the number of connected nodes, the number sampled and the model's size are 
 
 Link budgets (``link_profile``, ``round_deadline_s``) and ``delta`` need per-client decoding, so
 with them ``"auto"`` resolves to the cross-silo specs in every regime. Models with running
-statistics (BatchNorm) stay out of the sketch while ``exact_statistics`` is on: it would compress them like weights
-(FetchSGD's server-side error drives a variance negative; measured on mnist ``cnn-bn``, 100 clients
-at 10%: 60% accuracy at round 16, then 10% from round 19 on), and the statistics cannot travel
-beside a sketch yet. Such a model in cross-device gets ``qsgd(bits=4)`` (mnist ``cnn-bn``, 100
-clients at 10%, 30 rounds, mean of the last 5 rounds: dense 88.88%, ``qsgd(bits=4)`` 89.60%,
-``topk(ratio=0.01)+qsgd(bits=4)`` with client residuals 82.80%; one seed).
+statistics (BatchNorm) in cross-device get ``qsgd(bits=4)`` while ``exact_statistics`` is on (mnist
+``cnn-bn``, 100 clients at 10%, 30 rounds, mean of the last 5 rounds: dense 88.88%, ``qsgd(bits=4)``
+89.60%, ``topk(ratio=0.01)+qsgd(bits=4)`` with client residuals 82.80%; one seed). Sketched like
+weights the statistics broke (FetchSGD's server-side error drove a variance negative: 60% at
+round 16, then 10%); they now travel exact beside the sketch (``ServerFeedback``), which an
+explicit ``upload='sketch(...)'`` gets, but ``"auto"`` keeps the measured dense choice for them.
 
 Strategies that compare or re-weight each client's update on its own (FedMedian, FedTrimmedAvg,
 Krum, MultiKrum, Bulyan, QFedAvg) or normalize the mean per coordinate (FedAdam, FedAdagrad, FedYogi)
@@ -184,7 +184,7 @@ class CompressionConfig:
         model is known); ``sparse_averse``: the inner strategy compares or re-weights each client's
         update or normalizes it per coordinate (robust aggregators, QFedAvg, FedAdam...);
         ``statistics``: the model has running statistics (BatchNorm) that must travel exact
-        (``exact_statistics``), which the sketch cannot do yet.
+        (``exact_statistics``): cross-device gets dense ``qsgd(bits=4)`` (module docstring).
         A config without ``"auto"`` comes back as is.
         """
         if not self.auto:
@@ -206,7 +206,7 @@ class CompressionConfig:
         coupled = self.coupled_download
         if self.download == AUTO:
             coupled = sketch and self.link_profile == links.NONE
-            ratio = getattr(codec.reducer.config, "ratio", SKETCH_RATIO) if sketch else SKETCH_RATIO
+            ratio = getattr(codec.reducer, "ratio", SKETCH_RATIO) if sketch else SKETCH_RATIO  # sketch's effective share
             download = coupled_download(ratio) if coupled else SILO_DOWNLOAD
         else:
             download = self.download

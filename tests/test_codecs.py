@@ -63,7 +63,7 @@ DEFAULTS: dict[str, dict] = {
     "randomk": {"ratio": 0.01, "scope": "global", "rescale": False},
     "dgc": {"ratio": 0.001, "momentum": 0.9, "clip": 0.0, "warmup": 0, "sample": 0.01, "index": "rice"},
     "powersgd": {"rank": 1, "min_compression": 2.0, "seed": 0},
-    "sketch": {"rows": 5, "cols": 1000, "ratio": 0.005, "seed": 0},
+    "sketch": {"rows": 1, "cols": 0, "ratio": 0.02, "seed": 0},  # cols 0: from the segment (README)
 }
 SELECTORS = {"topk", "threshold", "randomk", "dgc"}
 DENSE_REDUCERS = {"powersgd", "sketch"}  # reducers that are not sparsifiers; own bounds in their test files

@@ -176,3 +176,33 @@ def test_broadcast_step_before_any_upload_sends_zeros():
     layout = fedcomp.Layout.of(_model())
     sent, payload = ServerFeedback(codec, layout).step_broadcast(fedcomp.build_codec("topk(ratio=0.01)+kbit(bits=4)"))
     assert not torch.any(sent["w"]) and len(payload) > 0
+
+
+def test_policy_upload_sketches_weights_and_averages_the_rest_exactly():
+    """exact_state_policy(sketch) as the wrapper sends it for a BatchNorm model: statistics are
+    the weighted mean of the clients' deltas, the counter their rounded mean, weights heavy hitters."""
+    from fedcomp.tensor_kinds import exact_state_policy
+
+    base = {"w": torch.zeros(3000), "bn.running_var": torch.zeros(8), "bn.num_batches_tracked": torch.tensor(0)}
+    layout = fedcomp.Layout.of(base)
+    codec = fedcomp.build_codec(exact_state_policy("sketch(rows=5,cols=600,ratio=0.0003)", layout))
+    fb = ServerFeedback(codec, layout)
+    assert fb.nbytes == 2 * 4 * 3000  # tables (5 x 600) for the weights only
+    updates = []
+    for i, weight in ((1, 1.0), (2, 3.0)):
+        u = {"w": torch.zeros(3000), "bn.running_var": torch.full((8,), 0.1 * i), "bn.num_batches_tracked": torch.tensor(i)}
+        u["w"][7] = 5.0 * i
+        updates.append((u, weight))
+        fb.add(codec.encode(u).payload, weight)
+    step = fb.step()
+    assert torch.allclose(step["bn.running_var"], torch.full((8,), (0.1 + 3 * 0.2) / 4))
+    assert int(step["bn.num_batches_tracked"]) == 2  # round((1 + 3 * 2) / 4) = round(1.75)
+    assert step["w"].nonzero().flatten().tolist() == [7]
+    assert abs(float(step["w"][7]) - (5.0 + 3 * 10.0) / 4) < 1e-4
+
+
+@pytest.mark.parametrize("spec", ["round<3: none(); sketch()", "numel<10: sketch(); sketch()", "numel<10: none(); topk()"])
+def test_refuses_policies_it_cannot_split(spec):
+    layout = fedcomp.Layout.of({"w": torch.zeros(300), "b": torch.zeros(5)})
+    with pytest.raises(fedcomp.SpecError, match="round conditions|linear reducer"):
+        ServerFeedback(fedcomp.build_codec(spec), layout)

@@ -57,7 +57,8 @@ def test_hashes_are_shared_through_the_seed():
 
 
 def test_bad_sketch_parameters():
-    for spec, word in [("sketch(rows=0)", "rows"), ("sketch(cols=0)", "cols"), ("sketch(ratio=2)", "ratio")]:
+    for spec, word in [("sketch(rows=-1)", "rows"), ("sketch(rows=65)", "rows"), ("sketch(cols=-1)", "cols"),
+                       ("sketch(cols=268435457)", "cols"), ("sketch(ratio=2)", "ratio")]:
         with pytest.raises(fedcomp.SpecError, match=word):
             fedcomp.build_codec(spec)
     with pytest.raises(fedcomp.SpecError, match="linear"):
@@ -115,3 +116,24 @@ def test_fetchsgd_beats_local_residuals_under_partial_participation():
     # FetchSGD's error accumulation on the server keeps everything that was sent
     assert err_local > 0.7, err_local  # measured 0.80: most of the signal left with the clients
     assert err_fetch < 0.6 * err_local, (err_fetch, err_local)  # measured 0.42
+
+
+def test_default_dimensions_scale_with_the_segment():
+    """sketch(): one row of ceil(0.068 n) cells per segment (at least min(n, 256)) sent as
+    qsgd(bits=4); a spec that names cols keeps the former 5 rows of fp32 cells, the same tables."""
+    auto = fedcomp.build_codec("sketch()")
+    r = auto.reducer
+    assert (r.rows, r.cols(234_122), r.cols(421_738), r.cols(1000), r.cols(10)) == (1, 15921, 28679, 256, 10)
+    assert auto.quantizer.name == "qsgd" and auto.quantizer.config.bits == 4
+    assert fedcomp.build_codec("sketch()+none()").quantizer.name == "none"
+    assert auto.spec == "sketch(rows=1,cols=0,ratio=0.02,seed=0)" and r.kept(10_000) == 200
+    explicit = fedcomp.build_codec("sketch(cols=1000)")
+    assert explicit.quantizer.name == "none" and explicit.reducer.cells(234_122) == 5000
+    assert explicit.spec == "sketch(rows=5,cols=1000,ratio=0.005,seed=0)"  # the former default's canonical spec
+    assert fedcomp.build_codec("sketch(rows=3)").reducer.cells(64_000) == 3 * 4352
+    with pytest.raises(fedcomp.SpecError, match="ratio"):
+        fedcomp.build_codec("sketch(ratio=-0.1)")
+    x = {"w": torch.randn(60_000), "b": torch.randn(300)}
+    assert 60_300 * 4 / len(auto.encode(x).payload) > 100  # 4,101 cells at 4 bits
+    old = fedcomp.build_codec("sketch(rows=5, cols=1000, ratio=0.005, seed=0)")
+    assert explicit.reducer.sketch(x["w"]).equal(old.reducer.sketch(x["w"]))  # the former default's tables

@@ -73,6 +73,24 @@ def test_running_variance_is_the_clients_mean(upload):
     assert sent[P.DOWNLOAD_SPEC].startswith("name~*running_mean: none(); name~*running_var: none(); ")
 
 
+def test_fetchsgd_carries_statistics_beside_the_sketch(download="auto"):
+    """aggregation='sketch': the statistics travel exact beside the sketch and are the clients'
+    weighted mean, the counter advances, the weights still move by heavy hitters (coupled
+    download included: 'auto' broadcasts the server's step with the statistics exact)."""
+    model, sent, strategy = _run(upload="sketch(ratio=0.1)", aggregation="sketch", download=download)
+    weights = torch.tensor([10.0 * n for n in NODES])
+    expected = sum(w * _variance(n, 3) for w, n in zip(weights, NODES)) / weights.sum()
+    assert torch.allclose(model["bn.running_var"], expected, rtol=1e-6, atol=0)
+    assert int(model["bn.num_batches_tracked"]) == 9
+    assert sent[P.UPLOAD_SPEC] == "name~*running_mean: none(); name~*running_var: none(); sketch(rows=1,cols=0,ratio=0.1,seed=0)"
+    moved = (model["conv.weight"] != _model()["conv.weight"]).sum()
+    assert 0 < moved < 128  # heavy hitters only, 3 rounds of ceil(0.1 x 160)
+    assert strategy.feedback.nbytes == 2 * 4 * 160  # tables cover the 160 weights, not the statistics
+    if download == "auto":
+        assert strategy.config.coupled_download
+        assert sent[P.DOWNLOAD_SPEC].startswith("name~*running_mean: none(); name~*running_var: none(); topk(")
+
+
 def test_compressed_like_weights_they_are_not_the_mean():
     """The same run with the rule off: sign() sends the variance as a scaled sign plus a residual,
     which drives it below zero; the wrapper stops the run there (BatchNorm would output NaN)."""

@@ -38,7 +38,8 @@ def test_quantized_sketch_upload_is_summed_in_sketch_space_by_server_feedback():
     step = ref.step()
     assert int((step["w"] != 0).sum()) > 0
     assert torch.allclose(new["w"], model["w"] + step["w"], atol=1e-6)
-    assert torch.equal(new["steps"], model["steps"])  # integer buffers keep the base
+    # integer buffers (counters) advance by the clients' rounded mean increment (+1 each), as in decoded rounds
+    assert int(step["steps"]) == 1 and torch.equal(new["steps"], model["steps"] + 1)
     # clients keep no residual (the error lives on the server)
     assert all("fedcomp.residual" not in c.state.array_records for c in contexts.values())
 
@@ -180,7 +181,8 @@ def test_coupled_download_moves_the_model_by_exactly_what_it_broadcasts():
         assert tier.version == r + 1 and all(torch.equal(tier.reference[k], model[k]) for k in model)
         if r > 1:
             assert strategy.rounds[r].encodes == 0  # the aggregate's payload is the tier's step: no second encode
-    assert not torch.equal(model["w"], model0["w"]) and torch.equal(model["steps"], model0["steps"])
+    # weights moved; the counter advanced by the clients' mean increment (+1) every round, through the broadcast
+    assert not torch.equal(model["w"], model0["w"]) and int(model["steps"]) == int(model0["steps"]) + 4
     # a node replaying the chain from the seeded model holds the global model bit for bit
     _drive(strategy, model, contexts, 5, mod)
     for c in contexts.values():
@@ -272,3 +274,38 @@ def test_a_negative_running_variance_stops_the_run():
     strategy = CompressedStrategy(FedAvg(min_available_nodes=2, min_train_nodes=2), upload="none()")
     with pytest.raises(NonFiniteModel, match="negative running variance in \\['bn.running_var'\\]"):
         run_round(strategy, model, _contexts(2), 1, app=shrink)
+
+
+def _flwr_warnings():
+    import logging
+
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    return seen, Catch(level=logging.WARNING)
+
+
+@pytest.mark.parametrize("upload, fraction, warned", [
+    ("topk(ratio=0.1)", 0.5, True),  # biased, client residuals, half the nodes per round
+    ("topk(ratio=0.1)", 1.0, False),  # every node every round: residuals stay fresh
+    ("qsgd(bits=4)", 0.5, False),  # unbiased
+    ("kbit(bits=4)", 0.5, False),  # dense 4 bit: a small residual (measured within 1 point)
+    ("sketch(rows=1,cols=400)", 0.5, False),  # FetchSGD: the error lives on the server
+])
+def test_biased_upload_with_partial_participation_warns_once(upload, fraction, warned):
+    import logging
+
+    seen, handler = _flwr_warnings()
+    logging.getLogger("flwr").addHandler(handler)
+    try:
+        strategy = CompressedStrategy(FedAvg(fraction_train=fraction, min_available_nodes=4, min_train_nodes=2),
+                                      upload=upload, download="none()")
+        model, contexts = tiny_model(), _contexts(4)
+        for r in (1, 2):
+            model, _, _ = run_round(strategy, model, contexts, r)
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
+    assert sum("stale" in m for m in seen) == (1 if warned else 0)
