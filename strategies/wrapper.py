@@ -62,7 +62,7 @@ from fedcomp.strategies.config import AUTO, DENSE_UPLOAD, CompressionConfig
 from fedcomp.strategies.replies import (MissingCompressionMod, NonFiniteModel, NoUsableReplies, ReplyHistory,
                                         RoundReplies, summarize)
 from fedcomp.strategies.streaming import StreamingGrid, can_stream, sparse_averse
-from fedcomp.tensor_kinds import STATISTIC, exact_state_policy, split_kinds
+from fedcomp.tensor_kinds import COUNTER, STATISTIC, exact_state_policy, split_kinds
 
 __all__ = ["CompressedStrategy", "CompressionConfig", "RoundStats", "message_bytes", "MissingCompressionMod",
            "NoUsableReplies", "NonFiniteModel", "canonical_order"]
@@ -576,7 +576,9 @@ class CompressedStrategy(Strategy):
             raise NonFiniteModel(
                 f"fedcomp: the global model of round {server_round} has a negative running variance in "
                 f"{negative[:5]} (aggregation {self.aggregation!r}, upload {self.upload.spec!r}); the run stops. "
-                f"Keep exact_statistics=True (the default) and no link budgets for a BatchNorm model")
+                + (f"The statistics travelled exact: the inner strategy {type(self.inner).__name__}'s own "
+                   f"aggregation of them made it negative" if self._statistics_layout is not None else
+                   "Keep exact_statistics=True (the default) and no link budgets for a BatchNorm model"))
         if bad:
             raise NonFiniteModel(
                 f"fedcomp: the global model of round {server_round} has NaN or Inf values in {bad[:5]}"
@@ -714,9 +716,25 @@ class CompressedStrategy(Strategy):
         merged = Message(RecordDict({state.arrays_key or "arrays": ArrayRecord(model),
                                      "metrics": MetricRecord({key: total})}),
                          dst_node_id=0, message_type="train")
+        # statistics and counters are the mean: the inner strategy's server step (FedAvgM's momentum,
+        # FedAdam's normalisation) is for weights; on running_var it goes negative (fedcomp.tensor_kinds)
+        exact = {name: model[name] for name in self._statistics_names()}
         del model
         arrays, _ = self.inner.aggregate_train(server_round, [merged])
-        return self._as_layout(arrays), metrics
+        arrays = self._as_layout(arrays)
+        if arrays is None or not exact:
+            return arrays, metrics
+        stepped = arrays.to_torch_state_dict()
+        stepped.update(exact)
+        return ArrayRecord(stepped), metrics
+
+    def _statistics_names(self) -> list[str]:
+        """Entries that keep the clients' mean after a server step: running statistics and counters,
+        while ``exact_statistics`` is on and the model has statistics."""
+        if self._statistics_layout is None:
+            return []
+        kinds = split_kinds(self._statistics_layout)
+        return kinds[STATISTIC] + kinds[COUNTER]
 
     def _as_layout(self, arrays: ArrayRecord | None) -> ArrayRecord | None:
         """The aggregate in the model's dtypes (FedAvg turns integer buffers into float64), so

@@ -42,9 +42,9 @@ def _trainer(node, server_round):
     return app
 
 
-def _run(rounds=3, **settings):
-    strategy = CompressedStrategy(FedAvg(fraction_train=1.0, min_available_nodes=4, min_train_nodes=4,
-                                         fraction_evaluate=0.0), **settings)
+def _run(rounds=3, inner=FedAvg, **settings):
+    strategy = CompressedStrategy(inner(fraction_train=1.0, min_available_nodes=4, min_train_nodes=4,
+                                        fraction_evaluate=0.0), **settings)
     contexts = {n: node_context(n, **{"partition-id": n, "num-partitions": 4}) for n in NODES}
     model, sent = _model(), {}
     for r in range(1, rounds + 1):
@@ -71,6 +71,22 @@ def test_running_variance_is_the_clients_mean(upload):
     # what the broadcasts told the clients (the mod takes the record out of the message it handles)
     assert sent[P.UPLOAD_SPEC].startswith("name~*running_mean: none(); name~*running_var: none(); ")
     assert sent[P.DOWNLOAD_SPEC].startswith("name~*running_mean: none(); name~*running_var: none(); ")
+
+
+@pytest.mark.parametrize("inner", ["FedAvgM", "FedAdam", "FedYogi"])
+def test_a_server_step_moves_weights_not_statistics(inner):
+    """Strategies that step from the mean (server momentum, Adam) step the weights; the statistics
+    and counters stay the clients' mean. FedAvgM's momentum alone drives running_var below zero
+    (measured on mnist cnn-bn: stopped in round 2 before)."""
+    import flwr.serverapp.strategy as fs
+
+    model, _, strategy = _run(upload="topk(ratio=0.05)+qsgd(bits=4)", inner=getattr(fs, inner))
+    weights = torch.tensor([10.0 * n for n in NODES])
+    expected = sum(w * _variance(n, 3) for w, n in zip(weights, NODES)) / weights.sum()
+    assert torch.allclose(model["bn.running_var"], expected, rtol=1e-6, atol=0)
+    assert int(model["bn.num_batches_tracked"]) == 9 and model["bn.num_batches_tracked"].dtype == torch.int64
+    assert strategy._statistics_names() == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    assert not torch.equal(model["conv.weight"], _model()["conv.weight"])  # the weights did move
 
 
 def test_fetchsgd_carries_statistics_beside_the_sketch(download="auto"):
