@@ -189,7 +189,10 @@ class RoundReplies:
             self.metrics.append(valid.rest)
         else:
             model = apply_step(self.base, self.accumulator.to_dense(update))
-            valid.rest[valid.arrays_key] = ArrayRecord(model)
+            # integer buffers as float64, as FedAvg makes them (the wrapper casts the aggregate back):
+            # strategies that scale replies in place (QFedAvg, Flower 1.39) fail on int64 counters
+            valid.rest[valid.arrays_key] = ArrayRecord({k: v if v.is_floating_point() else v.double()
+                                                        for k, v in model.items()})
             valid.msg.content = valid.rest
             self.collected.append(valid.msg)
 

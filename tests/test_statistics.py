@@ -89,6 +89,19 @@ def test_a_server_step_moves_weights_not_statistics(inner):
     assert not torch.equal(model["conv.weight"], _model()["conv.weight"])  # the weights did move
 
 
+def test_qfedavg_runs_on_a_model_with_counters():
+    """Flower 1.39's QFedAvg scales each reply in place and fails on an int64 buffer (BatchNorm's
+    num_batches_tracked); wrapped, it gets counters as float64 and the aggregate is cast back."""
+    import flwr.serverapp.strategy as fs
+
+    def qfedavg(**kw):
+        return fs.QFedAvg(client_learning_rate=0.1, train_loss_key="num-examples", **kw)
+
+    model, _, _ = _run(upload="qsgd(bits=4)", inner=qfedavg)
+    assert model["bn.num_batches_tracked"].dtype == torch.int64 and 0 < int(model["bn.num_batches_tracked"]) <= 9
+    assert bool((model["bn.running_var"] > 0).all())
+
+
 def test_fetchsgd_carries_statistics_beside_the_sketch(download="auto"):
     """aggregation='sketch': the statistics travel exact beside the sketch and are the clients'
     weighted mean, the counter advances, the weights still move by heavy hitters (coupled
