@@ -41,14 +41,16 @@ FAMILIES = {
 
 
 def run(spec: str, *, task: str, model: str, rounds: int, clients: int, fraction: float, lr: float,
-        seed: int, family: str = "") -> dict:
-    """One FedAvg run with upload ``spec`` (``"dense"``: unwrapped)."""
+        seed: int, family: str = "", error_feedback: bool = True) -> dict:
+    """One FedAvg run with upload ``spec`` (``"dense"``: unwrapped); ``error_feedback=False``: no
+    client residuals (recorded as ``spec`` + `` ef=off``)."""
     from fedcomp.simulations.strategy_study import run_one
 
     wrapped = spec != DENSE
     out = run_one("FedAvg", wrapped, task_name=task, model_name=model, rounds=rounds, clients=clients,
-                  fraction=fraction, lr=lr, seed=seed, upload=spec if wrapped else None)
-    out["family"], out["spec"] = family or spec, spec
+                  fraction=fraction, lr=lr, seed=seed, upload=spec if wrapped else None,
+                  error_feedback=error_feedback)
+    out["family"], out["spec"] = family or spec, spec if error_feedback or not wrapped else f"{spec} ef=off"
     return out
 
 
@@ -103,6 +105,7 @@ def main(argv=None) -> None:
     parser.add_argument("--fraction", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-error-feedback", action="store_true", help="wrapped runs without client residuals")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--table", action="store_true", help="print the tables from --out and exit")
     args = parser.parse_args(argv)
@@ -123,7 +126,8 @@ def main(argv=None) -> None:
     for family, spec in todo:
         try:
             out = run(spec, task=args.task, model=args.model, rounds=args.rounds, clients=args.clients,
-                      fraction=args.fraction, lr=args.lr, seed=args.seed, family=family)
+                      fraction=args.fraction, lr=args.lr, seed=args.seed, family=family,
+                      error_feedback=not args.no_error_feedback)
         except fedcomp.FedcompError as exc:  # a run the wrapper stopped (non-finite model, no usable replies)
             print(f"{family:10s} {spec:40s} stopped: {exc}", flush=True)
             with args.out.open("a") as f:

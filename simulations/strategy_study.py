@@ -49,7 +49,7 @@ def strategies(clients: int, fraction: float, lr: float) -> dict:
 
 
 def run_one(name: str, wrapped: bool, *, task_name: str, model_name: str, rounds: int, clients: int,
-            fraction: float, lr: float, seed: int, upload: str | None = None) -> dict:
+            fraction: float, lr: float, seed: int, upload: str | None = None, error_feedback: bool = True) -> dict:
     """One run of strategy ``name``; returns its config, accuracy per round, bytes and time."""
     from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
@@ -63,7 +63,7 @@ def run_one(name: str, wrapped: bool, *, task_name: str, model_name: str, rounds
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1  # what a Flower process sets
     torch.set_num_threads(1)
     inner = strategies(clients, fraction, lr)[name]()
-    settings = {} if upload is None else {"upload": upload}
+    settings = ({} if upload is None else {"upload": upload}) | ({} if error_feedback else {"error_feedback": False})
     strategy = CompressedStrategy(inner, **settings) if wrapped else inner
     run_config = {"seed": seed, "task": task_name, "model": model_name, "local-epochs": 1, "lr": lr,
                   "batch-size": 32, "partition-alpha": 0.5}

@@ -63,7 +63,8 @@ def summarize(results: Path) -> dict:
     for r in rounds:
         for d in r["downloads"]:
             modes[d["mode"]] = modes.get(d["mode"], 0) + 1
-    return {"accuracy": rounds[-1]["accuracy"], "rounds": len(rounds), "upload_bytes": up, "download_bytes": down,
+    tail = [r["accuracy"] for r in rounds[-5:]]
+    return {"accuracy": rounds[-1]["accuracy"], "accuracy_last5": sum(tail) / len(tail), "rounds": len(rounds), "upload_bytes": up, "download_bytes": down,
             "upload_x": up_dense / up if up else None, "download_x": down_dense / down if down else None,
             "download_modes": modes, "resolved": data["config"].get("resolved", {})}
 
@@ -108,16 +109,20 @@ def main(argv: list[str] | None = None) -> int:
         deploy.stop_process(proc)
     dense = {r["seed"]: r for r in rows if r["scheme"] == "dense"}
     print(f"\n{args.nodes} nodes, fraction-train {args.fraction}, {args.rounds} rounds")
-    print("| scheme | seed | accuracy % | vs dense (pt) | upload x | download x | download modes |")
-    print("|---|---|---|---|---|---|---|")
+    print("| scheme | seed | accuracy % | vs dense (pt) | last 5 rounds % | vs dense (pt) | upload x | download x | download modes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         d = dense.get(r["seed"])
-        gap = f"{100 * (r['accuracy'] - d['accuracy']):+.2f}" if d else "n/a"
-        up = r["upload_bytes"] and d and d["upload_bytes"] / r["upload_bytes"]
-        down = r["download_bytes"] and d and d["download_bytes"] / r["download_bytes"]
-        print(f"| {r['scheme']} | {r['seed']} | {100 * r['accuracy']:.2f} | {gap} | "
-              f"{up:.1f} | {down:.1f} | {r['download_modes']} |" if d else
-              f"| {r['scheme']} | {r['seed']} | {100 * r['accuracy']:.2f} | n/a | | | {r['download_modes']} |")
+        acc = f"{100 * r['accuracy']:.2f}"
+        last5 = f"{100 * r['accuracy_last5']:.2f}"
+        if d is None:
+            print(f"| {r['scheme']} | {r['seed']} | {acc} | n/a | {last5} | n/a | | | {r['download_modes']} |")
+            continue
+        up = r["upload_bytes"] and d["upload_bytes"] / r["upload_bytes"]
+        down = r["download_bytes"] and d["download_bytes"] / r["download_bytes"]
+        print(f"| {r['scheme']} | {r['seed']} | {acc} | {100 * (r['accuracy'] - d['accuracy']):+.2f} | {last5} | "
+              f"{100 * (r['accuracy_last5'] - d['accuracy_last5']):+.2f} | {up:.1f} | {down:.1f} | "
+              f"{r['download_modes']} |")
     return 0
 
 
