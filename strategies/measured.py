@@ -45,6 +45,7 @@ from fedcomp import links
 from fedcomp import protocol as P
 from fedcomp.adapt import AdaptError, MeasuredBudgets
 from fedcomp.msgsize import message_bytes
+from fedcomp.strategies.streaming import DelegatingGrid
 
 MIN_SECONDS = 1e-3  # an observed transfer shorter than this (clock resolution, skew) counts as this
 
@@ -57,16 +58,15 @@ class _Sent:
     pushed_at: float
 
 
-class ObservingGrid(Grid):
-    """A Grid that adds each node's estimate to its train messages and times their replies.
-
-    ``send_and_receive`` pushes and polls itself (so a non-streaming strategy's replies are timed
-    as they arrive too); everything else is delegated to the wrapped grid.
-    """
+class ObservingGrid(DelegatingGrid):
+    """A Grid that adds each node's estimate to its train messages and times their replies, in
+    ``push_messages``/``pull_messages`` (``send_and_receive`` goes through them: a non-streaming
+    strategy's replies are timed as they arrive too); everything else is delegated."""
 
     def __init__(self, grid: Grid, owner: "MeasuredLinkStrategy", poll_interval: float = 0.05,
                  clock: Callable[[], float] = time.time) -> None:
-        self.grid, self.owner, self.poll_interval, self.clock = grid, owner, poll_interval, clock
+        super().__init__(grid, poll_interval)
+        self.owner, self.clock = owner, clock
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
@@ -85,36 +85,6 @@ class ObservingGrid(Grid):
         for msg in replies:
             self.owner._observe(msg, now)
         return replies
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        pending = set(self.push_messages(messages))
-        end = time.monotonic() + (timeout if timeout is not None else 0.0)
-        replies: list[Message] = []
-        while pending and (timeout is None or time.monotonic() < end):
-            arrived = list(self.pull_messages(pending))
-            for msg in arrived:
-                pending.discard(msg.metadata.reply_to_message_id)
-                replies.append(msg)
-            if pending and not arrived:
-                time.sleep(self.poll_interval)
-        return replies
-
-    # -- delegated ------------------------------------------------------------------------------
-    @property
-    def run(self):  # noqa: D102
-        return self.grid.run
-
-    def set_run(self, run_id: int) -> None:  # noqa: D102
-        self.grid.set_run(run_id)
-
-    def create_message(self, *args, **kwargs) -> Message:  # noqa: D102
-        return self.grid.create_message(*args, **kwargs)
-
-    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
-        return self.grid.get_node_ids()
-
-    def __getattr__(self, name):
-        return getattr(self.grid, name)
 
 
 class MeasuredLinkStrategy(Strategy):

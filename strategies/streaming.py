@@ -43,25 +43,27 @@ def can_stream(strategy: Strategy) -> bool:
     return type(strategy) in STREAMABLE
 
 
-class StreamingGrid(Grid):
-    """A Grid that hands every reply to ``on_reply`` as soon as it is pulled.
+class DelegatingGrid(Grid):
+    """A Grid around another: ``send_and_receive`` pushes and polls through this grid's own
+    ``push_messages``/``pull_messages`` (so a subclass sees every message leave and every reply come
+    back, whoever sends) and hands each reply to :meth:`on_reply` as it is pulled. Same contract
+    as ``Grid.send_and_receive`` (all replies, or those in by ``timeout``); it polls every
+    ``poll_interval`` seconds (Flower's HTTP grid sleeps 3 s between pulls). Everything else is
+    delegated to the wrapped grid."""
 
-    Same contract as ``Grid.send_and_receive`` (all replies, or those in by ``timeout``); it
-    polls every ``poll_interval`` seconds (Flower's HTTP grid sleeps 3 s between pulls).
-    Everything else is delegated to the wrapped grid.
-    """
-
-    def __init__(self, grid: Grid, on_reply: Callable[[Message], None], poll_interval: float = 0.05) -> None:
+    def __init__(self, grid: Grid, poll_interval: float = 0.05) -> None:
         self.grid = grid
-        self.on_reply = on_reply
         self.poll_interval = poll_interval
 
+    def on_reply(self, msg: Message) -> None:
+        """Called once per reply as soon as it is pulled (default: nothing)."""
+
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        pending = set(self.grid.push_messages(messages))
+        pending = set(self.push_messages(messages))
         end = time.monotonic() + (timeout if timeout is not None else 0.0)
         replies: list[Message] = []
         while pending and (timeout is None or time.monotonic() < end):
-            arrived = list(self.grid.pull_messages(pending))
+            arrived = list(self.pull_messages(pending))
             for msg in arrived:
                 pending.discard(msg.metadata.reply_to_message_id)
                 self.on_reply(msg)
@@ -92,3 +94,11 @@ class StreamingGrid(Grid):
 
     def __getattr__(self, name):  # anything a newer Grid adds
         return getattr(self.grid, name)
+
+
+class StreamingGrid(DelegatingGrid):
+    """A Grid that hands every reply to ``on_reply`` as soon as it is pulled (streaming aggregation)."""
+
+    def __init__(self, grid: Grid, on_reply: Callable[[Message], None], poll_interval: float = 0.05) -> None:
+        super().__init__(grid, poll_interval)
+        self.on_reply = on_reply
