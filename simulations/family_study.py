@@ -85,7 +85,7 @@ def table(path: Path = OUT) -> str:
             ratio = statistics.mean(dense[r["seed"]]["rounds"][-1]["upload_bytes"] / r["rounds"][-1]["upload_bytes"]
                                     for r in mine)
             finite = all(x["finite"] for r in mine for x in r["rounds"])
-            shown = mine[-1]["upload"] if spec != DENSE else "dense"
+            shown = "dense" if spec == DENSE else mine[-1]["upload"] + (" ef=off" if spec.endswith(" ef=off") else "")
             lines.append(f"| {family} | `{shown}` | {acc:.2f} | {base:.2f} | {acc - base:+.2f} | {ratio:.1f} | "
                          f"{len(mine)} | {'yes' if finite else 'NO'} |")
         for r in rows:

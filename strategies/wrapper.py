@@ -302,7 +302,9 @@ class CompressedStrategy(Strategy):
         state = arrays.to_torch_state_dict()
         numel = sum(int(v.numel()) for v in state.values() if v.is_floating_point())
         partial = sampled < connected
-        self._use(self.requested.resolve(partial=partial, numel=numel, sparse_averse=self.sparse_averse))
+        statistics = bool(split_kinds(state)[STATISTIC])
+        self._use(self.requested.resolve(partial=partial, numel=numel, sparse_averse=self.sparse_averse,
+                                         statistics=statistics))
         self._warn_biased()
         log(INFO, "fedcomp: %s (%d of %d nodes per round, %d parameters): upload %s, download %s, aggregation %s",
             "cross-device" if partial else "cross-silo", sampled, connected, numel, self.upload.spec,
