@@ -33,11 +33,13 @@ in simulation, the declared-link budget on the same compute and the relative err
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord
+from flwr.common.constant import ErrorCode
 from flwr.server import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -82,9 +84,7 @@ class ObservingGrid(DelegatingGrid):
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         replies = list(self.grid.pull_messages(message_ids))
         now = self.clock()
-        for msg in replies:
-            self.owner._observe(msg, now)
-        return replies
+        return [self.owner._observe(msg, now) for msg in replies]
 
 
 class MeasuredLinkStrategy(Strategy):
@@ -178,11 +178,22 @@ class MeasuredLinkStrategy(Strategy):
                     stats.download_bytes_by_tier[d["tier"]] = stats.download_bytes_by_tier.get(d["tier"], 0) + added
         return node, _Sent(server_round, link, before + added, 0.0)
 
-    def _observe(self, msg: Message, arrival: float) -> None:
+    def _observe(self, msg: Message, arrival: float) -> Message:
+        """Record one reply's transfer times and update the node's estimate. Returns the reply, or,
+        in simulation, an error reply in its place when the hidden link's times put it past the
+        deadline: on that link it would have missed the round, so it is not aggregated."""
         sent = self._sent.pop(msg.metadata.reply_to_message_id, None)
         if sent is None:
-            return
-        node, s = sent
+            return msg
+        self._record(msg, arrival, *sent)
+        entry = self.estimates[-1]
+        if not entry.get("late"):
+            return msg
+        reason = (f"late: {entry['true_total_s']:.2f} s on its simulated link ({entry['true_link']}) against the "
+                  f"{self.budgets.deadline_s:g} s deadline; dropped as the deadline would have dropped it")
+        return Message(metadata=copy.copy(msg.metadata), error=Error(ErrorCode.UNKNOWN, reason))
+
+    def _record(self, msg: Message, arrival: float, node: int, s: _Sent) -> None:
         entry: dict = {"node": node, "round": s.round, "sent_link": s.link.describe(),
                        "download_bytes": s.download_bytes}
         self.estimates.append(entry)

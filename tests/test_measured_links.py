@@ -61,12 +61,12 @@ class _Grid:
         return self.pull_messages(self.push_messages(messages))
 
 
-def _run(contexts, rounds=6, mods=(netsim_mod,), streaming=True):
+def _run(contexts, rounds=6, mods=(netsim_mod,), streaming=True, deadline=DEADLINE):
     n = len(contexts)
     inner = CompressedStrategy(FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=n,
-                                      min_train_nodes=n), upload=SPEC, download="none()", round_deadline_s=DEADLINE,
+                                      min_train_nodes=n), upload=SPEC, download="none()", round_deadline_s=deadline,
                                streaming=streaming)
-    strategy = MeasuredLinkStrategy(inner, DEADLINE)
+    strategy = MeasuredLinkStrategy(inner, deadline)
     grid = _Grid(contexts, mods)
     strategy.start(grid, ArrayRecord(tiny_model(rows=128, cols=100)), num_rounds=rounds,
                    evaluate_fn=lambda r, a: MetricRecord({"accuracy": 0.5}))
@@ -188,3 +188,17 @@ def test_a_latency_bound_broadcast_never_reads_as_a_fast_downlink():
     lower = 11000 * 8 / (0.3 + 11000 * 8 / 1e6) / 1000  # the bandwidth with no latency at all
     link = mb.link(7)
     assert lower < link.downlink_kbps <= 2 * lower < 2000  # a 2000 kbps tier threshold is not crossed
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_reply_late_on_its_hidden_link_is_not_aggregated(streaming):
+    """1.2 s deadline: the 3g-edge node's first reply (a full-model download at first contact)
+    takes 1.22 s on its simulated link. The deadline would have dropped it, so the observer
+    hands the wrapped strategy an error reply instead: recorded, not aggregated."""
+    contexts = {i: _ctx(i) for i in (0, 6)}  # 'mixed': partition 0 is 4g, 6 is 3g-edge
+    strategy, _ = _run(contexts, rounds=2, streaming=streaming, deadline=1.2)
+    late = [e for e in strategy.estimates if e["late"]]
+    assert [(e["node"], e["round"]) for e in late] == [(6, 1)]
+    statuses = {c["node"]: c["status"] for c in strategy.rounds[1].clients}
+    assert statuses[6].startswith("error: late: 1.2") and statuses[0] == "ok"
+    assert strategy.rounds[1].aggregated == 1 and strategy.rounds[2].aggregated == 2
