@@ -333,7 +333,7 @@ class CompressedStrategy(Strategy):
         quantizer = getattr(getattr(self.upload, "quantizer", None), "name", "")
         # a sparsifier keeping >= 10% per upload held (topk, dgc with 4-bit values, 3-5 seeds): less stays behind
         small_share = getattr(getattr(reducer, "config", None), "ratio", 0.0) < XDEV_SHARE
-        stateful = (reducer is not None and not reducer.linear and small_share) or quantizer in ("sign", "twobit")
+        stateful = (reducer is not None and not reducer.linear and small_share) or quantizer == "sign"
         if (self.requested.upload == AUTO or sampled >= connected or self.aggregation != "decode"
                 or not stateful or not self.upload.needs_error_feedback or not self.error_feedback):
             return

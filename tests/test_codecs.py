@@ -54,7 +54,7 @@ DEFAULTS: dict[str, dict] = {
     "fp16": {},
     "bf16": {},
     "sign": {"block": 0},
-    "twobit": {"threshold": 0.5},
+    "twobit": {"threshold": 0.001},
     "kbit": {"bits": 4, "block": 256, "stochastic": False, "coding": "packed"},
     "qsgd": {"bits": 4, "bucket": 512, "norm": "max", "coding": "packed"},
     "terngrad": {"clip": 2.5},

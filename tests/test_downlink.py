@@ -14,7 +14,7 @@ from fedcomp import protocol as P
 from fedcomp.broadcast import ResyncNeeded, Tier, apply_plan, parse_thresholds, parse_tiers, reference_crc
 from fedcomp.strategies.wrapper import CompressedStrategy
 
-TIERS = "topk(ratio=0.05)+twobit() | topk(ratio=0.2)+kbit(bits=4) | kbit(bits=8)"
+TIERS = "topk(ratio=0.05)+twobit(threshold=0.5) | topk(ratio=0.2)+kbit(bits=4) | kbit(bits=8)"
 
 
 def _model(seed=0):

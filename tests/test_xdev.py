@@ -295,6 +295,8 @@ def _flwr_warnings():
     ("topk(ratio=0.1)", 1.0, False),  # every node every round: residuals stay fresh
     ("qsgd(bits=4)", 0.5, False),  # unbiased
     ("kbit(bits=4)", 0.5, False),  # dense 4 bit: a small residual (measured within 1 point)
+    ("twobit()", 0.5, False),  # threshold 0.001: measured within 2 points cross-device
+    ("sign()", 0.5, True),  # 1 bit: -3.7 points cross-device (5 seeds)
     ("sketch(rows=1,cols=400)", 0.5, False),  # FetchSGD: the error lives on the server
 ])
 def test_biased_upload_with_partial_participation_warns_once(upload, fraction, warned):
