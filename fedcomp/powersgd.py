@@ -166,7 +166,7 @@ class PowerSGD(Reducer):
 
     @dataclass(frozen=True)
     class Config:
-        rank: int = 1  # rank r of each approximation; clamped to min(n, m) per matrix
+        rank: int = 2  # rank r of each approximation; clamped to min(n, m) per matrix (rank 1 lost 2.4 points on a CNN)
         min_compression: float = 2.0  # factorise a matrix iff its factors are >= this many times smaller; 0: every matrix
         seed: int = 0  # seeds the cold-start Q (with the tensor name); need not match between clients
 

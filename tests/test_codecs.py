@@ -61,8 +61,8 @@ DEFAULTS: dict[str, dict] = {
     "topk": {"ratio": 0.01, "scope": "global", "index": "rice"},
     "threshold": {"tau": 1e-3, "ratio": 0.0, "mode": "abs", "sample": 0.01, "scope": "global", "index": "rice"},
     "randomk": {"ratio": 0.01, "scope": "global", "rescale": False},
-    "dgc": {"ratio": 0.001, "momentum": 0.9, "clip": 0.0, "warmup": 0, "sample": 0.01, "index": "rice"},
-    "powersgd": {"rank": 1, "min_compression": 2.0, "seed": 0},
+    "dgc": {"ratio": 0.01, "momentum": 0.9, "clip": 0.0, "warmup": 0, "sample": 0.01, "index": "rice"},
+    "powersgd": {"rank": 2, "min_compression": 2.0, "seed": 0},
     "sketch": {"rows": 1, "cols": 0, "ratio": 0.02, "seed": 0},  # cols 0: from the segment (README)
 }
 SELECTORS = {"topk", "threshold", "randomk", "dgc"}

@@ -286,8 +286,8 @@ def test_error_feedback_identity_over_many_rounds(spec):
 # -- spec -------------------------------------------------------------------------------------------------
 def test_defaults_and_traits():
     codec = build_codec("powersgd")
-    assert codec.spec == "powersgd(rank=1,min_compression=2.0,seed=0)"
-    assert fedcomp.available_codecs()["powersgd"] == "powersgd(rank=1, min_compression=2.0, seed=0)"
+    assert codec.spec == "powersgd(rank=2,min_compression=2.0,seed=0)"
+    assert fedcomp.available_codecs()["powersgd"] == "powersgd(rank=2, min_compression=2.0, seed=0)"
     assert codec.quantizer.name == "none"
     assert not codec.unbiased and not codec.linear and codec.needs_error_feedback and not codec.lossless
     assert codec.reducer.scope == "tensor"
