@@ -258,10 +258,13 @@ class AdaptSettings:
     """
 
     min_reduction: float = 30.0  # highest budget = dense / this (the weakest compression allowed)
-    max_reduction: float = 3000.0  # lowest budget = dense / this (the strongest compression allowed)
-    start_reduction: float = 3000.0  # the first round's budget = dense / this: the strongest compression
+    max_reduction: float = 5000.0  # lowest budget = dense / this (the strongest compression allowed)
+    start_reduction: float = 5000.0  # the first round's budget = dense / this: the strongest compression
     # allowed (with error feedback early rounds progress under any compression; the controller relaxes
     # when progress stops, so a start too strong costs a few windows, one too weak costs bytes every round)
+    fixed_share: float = 2 / 3  # lowest budget >= this x the upload message's fixed bytes, once measured
+    # (AutoStrength.observe_message: framing, metrics, statistics sent exact): below that, halving the
+    # payload saves under a fifth of the message while slowing training as much as anywhere (0: off)
     tighten: float = 0.7  # StrengthController.tighten
     relax: float = 1.6  # StrengthController.relax
     tolerance: float = 0.005  # StrengthController.tolerance (accuracy: half a point)
@@ -270,6 +273,8 @@ class AdaptSettings:
     revert: bool = True  # StrengthController.revert
 
     def __post_init__(self) -> None:
+        if isinstance(self.fixed_share, bool) or not isinstance(self.fixed_share, (int, float)) or not 0 <= self.fixed_share < math.inf:
+            raise AdaptError(f"fixed_share={self.fixed_share!r} is invalid: a finite number >= 0")
         for name in ("min_reduction", "max_reduction", "start_reduction"):
             _positive(name, getattr(self, name))
             if getattr(self, name) < 1:
@@ -320,13 +325,15 @@ class AutoStrength:
         dense = Codec("none()").size_bytes(layout)
         lo, hi = budget.limits(self.template, layout, measure=self._measure)
         clamp = lambda b: int(min(max(b, lo), hi))  # noqa: E731
+        self._clamp = clamp
         self.dense_bytes = dense
+        self.fixed_bytes: int | None = None  # the upload message's bytes besides the payload (observe_message)
         self.controller = StrengthController(
             lowest=clamp(dense / settings.max_reduction), highest=clamp(dense / settings.min_reduction),
             start=clamp(dense / settings.start_reduction), tighten=settings.tighten, relax=settings.relax,
             tolerance=settings.tolerance, window=settings.window, cooldown=settings.cooldown,
             revert=settings.revert)
-        self._fits: dict[int, str] = {}
+        self._fits: dict[int, budget.Fit] = {}
         self.history: list[dict] = []
 
     def _measure(self, codec) -> int:
@@ -341,14 +348,35 @@ class AutoStrength:
 
         b = self.controller.current()
         if b not in self._fits:
-            self._fits[b] = budget.fit_budget(self.template, self.layout, b, measure=self._measure).spec
-        spec = self._fits[b]
+            self._fits[b] = budget.fit_budget(self.template, self.layout, b, measure=self._measure)
+        spec = self._fits[b].spec
         if not self.history or self.history[-1]["round"] != round:
             from fedcomp.spec import parse_spec
 
             value = dict(parse_spec(spec)[self.stage].args).get(self.param)
             self.history.append({"round": round, "spec": spec, self.param: value, "budget": b})
         return spec
+
+    def observe_message(self, round: int, message_bytes: float) -> None:
+        """The mean size of round ``round``'s upload messages (Flower message bytes per client, as
+        received). What they carry besides the payload the round's spec was fitted to (framing,
+        metrics, statistics sent exact) is the fixed part (``fixed_bytes``: the smallest seen); the
+        controller's lowest budget becomes the larger of ``dense / max_reduction`` and
+        ``fixed_share`` x that (see :class:`AdaptSettings`)."""
+        _positive("message_bytes", message_bytes)
+        entry = next((h for h in reversed(self.history) if h["round"] == round), None)
+        if entry is None:
+            raise AdaptError(f"round {round} has no spec yet: call spec({round}) before observe_message({round}, ...)")
+        fixed = max(0, int(message_bytes) - self._fits[entry["budget"]].message_bytes)
+        entry["fixed_bytes"] = fixed
+        # the smallest seen: a real payload larger than the seeded update it was fitted on reads as fixed
+        # bytes, and a floor that followed each round's would move the budget by noise
+        self.fixed_bytes = fixed if self.fixed_bytes is None else min(self.fixed_bytes, fixed)
+        c = self.controller
+        c.lowest = min(self._clamp(max(self.dense_bytes / self.settings.max_reduction,
+                                       self.settings.fixed_share * self.fixed_bytes)), c.highest)
+        if c.budget < c.lowest:
+            c.budget = float(c.lowest)
 
     def observe(self, round: int, metrics) -> None:
         """Round ``round``'s evaluation metrics (``accuracy``, else ``loss``); moves the next round's budget."""

@@ -146,6 +146,7 @@ def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dic
                      "upload_bytes_dense": up_dense, "download_bytes": clients * down_bytes,
                      "download_bytes_dense": clients * down_bytes_dense})
         if auto is not None:
+            auto.observe_message(rnd, up / clients)
             auto.observe(rnd, accuracy)
             h = auto.history[-1]
             rows[-1].update(upload_spec=h["spec"], strength=h[auto.param], budget=h["budget"], decision=h["decision"])
