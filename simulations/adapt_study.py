@@ -19,8 +19,8 @@ bytes than the best fixed ratio (the fewest bytes to the target among the fixed 
 finishes within 1 point of dense.
 
 Writes ``<out>/results.json`` (digits) or ``<out>/results-<task>.json`` (every run's per-round rows;
-the ``auto`` rows carry ``upload_spec``, ``strength`` (the knob's value), ``budget`` and
-``decision``), after every finished run, so an interrupted study keeps what it ran;
+the ``auto`` rows carry ``upload_spec``, ``strength`` (the knob's value), ``budget``,
+``decision`` and ``fixed_bytes``), after every finished run, so an interrupted study keeps what it ran;
 ``<out>/README.md`` (per task: the table, the command and the date; then ``<out>/notes.md``, kept by
 hand) and per model ``<out>/<model>.png`` (digits) or ``<out>/<task>-<model>.png`` (accuracy and the
 chosen ratio per round; accuracy against cumulative upload bytes).
@@ -141,7 +141,7 @@ def _loop(strategy, auto, contexts, tasks, task, model, seed, clients, rounds, s
             h = strategy.strength_of(rnd)
             strategy.observe(rnd, {"accuracy": accuracy})
             rows[-1].update(upload_spec=h["spec"], strength=h[strategy.auto.param], budget=h["budget"],
-                            decision=h["decision"])
+                            decision=h["decision"], fixed_bytes=h.get("fixed_bytes"))
     return {"upload": spec, "error_feedback": error_feedback, "rounds": rows, "clients": clients, "config": cfg,
             "seconds": time.perf_counter() - t0}
 
@@ -161,6 +161,13 @@ def _key_of(task: str, model: str, run: dict) -> tuple:
     cfg = run["config"]
     return _key(task, model, run["upload"], run["error_feedback"], len(run["rounds"]), run["clients"], cfg["lr"],
                 cfg.get("subsample", 1.0))
+
+
+def _ratio(spec: str) -> float:
+    try:
+        return float(spec.split("ratio=")[1].split(")")[0].split(",")[0])
+    except (IndexError, ValueError):
+        return 0.0
 
 
 def results_path(out: Path, task: str) -> Path:
@@ -324,14 +331,16 @@ def main(argv=None) -> None:
     def save() -> dict:
         results = {"command": command.strip(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                    "task": args.task, "lr": args.lr, "subsample": args.subsample, "rounds": args.rounds, "clients": args.clients, "models": {}}
+        now = json.loads(path.read_text()) if path.exists() else {"models": {}}  # another invocation may have added runs
         for model, runs in by_model.items():
-            order = {w[2]: i for i, w in enumerate(planned[model])}
-            runs.sort(key=lambda r: order[r["upload"]])
+            mine = {_key_of(args.task, model, r) for r in runs}
+            runs = runs + [r for r in now["models"].get(model, {}).get("runs", []) if _key_of(args.task, model, r) not in mine]
+            runs.sort(key=lambda r: (r["upload"] != "none()", "auto" in r["upload"], -_ratio(r["upload"])))
             entry = {"runs": runs}
             if any(r["upload"] == "none()" for r in runs) and any("auto" in r["upload"] for r in runs):
                 entry["verdict"] = verdict(runs)
             results["models"][model] = entry
-        for model, entry in old["models"].items():  # models of this task not run now stay
+        for model, entry in now["models"].items():  # models of this task not run now stay
             results["models"].setdefault(model, entry)
         path.write_text(json.dumps(results, indent=1))
         return results
