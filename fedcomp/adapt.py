@@ -8,8 +8,27 @@ move the codec's free parameter (top-k ratio, bits, rank, sketch columns: the st
 Written in a spec as ``topk(ratio=auto)+qsgd(bits=4)`` (:class:`AutoStrength`): the server turns
 each round's budget into a concrete spec (``topk(ratio=0.0011,...)+qsgd(bits=4,...)``), which the
 clients receive as their upload spec (:mod:`fedcomp.strategies.adaptive` for Flower,
-:mod:`fedcomp.simulations.sweep` in-process). Bounds and start are reductions against the dense
-model (:class:`AdaptSettings`: 30x to 3000x, start at 3000x), the same for every task.
+:mod:`fedcomp.simulations.sweep` in-process). Bounds and start are the same rule for every task
+(:class:`AdaptSettings`): the highest budget is the dense payload / 30; the lowest, where the first
+round starts, the dense payload / 5000, raised after the first round to 0.6x the bytes the upload
+message carries besides its payload (framing, the app's metrics, statistics sent exact), measured
+from the replies (:meth:`AutoStrength.observe_message`).
+
+Why that floor: with error feedback, a stronger compression delays information rather than losing
+it, so cumulative bytes to an accuracy fall with the ratio until the run runs out of rounds (the
+100-round digits study: on both models every halving of the top-k ratio from 0.01 to 0.0005 cut the
+bytes to target). What a halving saves, though, is a share of the *message*: with payload ``p`` and
+fixed bytes ``F``, ``p / 2 / (p + F)``. Where ``p >= 0.6 F`` a halving saves a fifth or more of the
+bytes per round; below, less and less, while training slows as much as anywhere: there the floor
+stops. On a large model (digits ``mlp-large``, 2.2M parameters: ``F`` ~565 B against a 1.7 kB
+payload) the dense / 5000 bound rules (ratio ~0.0004); on a small one (``mlp``, 234k: 0.6 x ~520 B
+is 312 B, ratio ~0.00056) or one whose BatchNorm statistics travel exact (``cnn-bn``) the fixed
+bytes do. The first policy had one floor, dense / 3000, for every model: right for ``mlp``, too weak
+for ``mlp-large``, where it spent 21% more bytes to the target than a fixed ``ratio=0.0005``;
+dense / 6000 for every model missed the target on ``mlp`` (simulations/figures/adapt/notes.md).
+Limit (README, "Closed-loop strength"): between the floor and a stall the controller holds, so
+``auto`` costs about what the fixed ratio at its floor costs plus its trials; a fixed ratio near the
+floor beats it (mlp-large 0.00035, mnist cnn-bn 0.001 by 6% and 9%).
 
 Accuracy-driven (:class:`StrengthController`): the signal is the server-side evaluation after
 each round (accuracy, or minus the loss). It is averaged over windows of `window` rounds (a
@@ -258,10 +277,13 @@ class AdaptSettings:
     """
 
     min_reduction: float = 30.0  # highest budget = dense / this (the weakest compression allowed)
-    max_reduction: float = 3000.0  # lowest budget = dense / this (the strongest compression allowed)
-    start_reduction: float = 3000.0  # the first round's budget = dense / this: the strongest compression
+    max_reduction: float = 5000.0  # lowest budget = dense / this (the strongest compression allowed)
+    start_reduction: float = 5000.0  # the first round's budget = dense / this: the strongest compression
     # allowed (with error feedback early rounds progress under any compression; the controller relaxes
     # when progress stops, so a start too strong costs a few windows, one too weak costs bytes every round)
+    fixed_share: float = 0.6  # lowest budget >= this x the upload message's fixed bytes, once measured
+    # (AutoStrength.observe_message: framing, metrics, statistics sent exact): below that, halving the
+    # payload saves under a fifth of the message while slowing training as much as anywhere (0: off)
     tighten: float = 0.7  # StrengthController.tighten
     relax: float = 1.6  # StrengthController.relax
     tolerance: float = 0.005  # StrengthController.tolerance (accuracy: half a point)
@@ -270,6 +292,8 @@ class AdaptSettings:
     revert: bool = True  # StrengthController.revert
 
     def __post_init__(self) -> None:
+        if isinstance(self.fixed_share, bool) or not isinstance(self.fixed_share, (int, float)) or not 0 <= self.fixed_share < math.inf:
+            raise AdaptError(f"fixed_share={self.fixed_share!r} is invalid: a finite number >= 0")
         for name in ("min_reduction", "max_reduction", "start_reduction"):
             _positive(name, getattr(self, name))
             if getattr(self, name) < 1:
@@ -320,13 +344,15 @@ class AutoStrength:
         dense = Codec("none()").size_bytes(layout)
         lo, hi = budget.limits(self.template, layout, measure=self._measure)
         clamp = lambda b: int(min(max(b, lo), hi))  # noqa: E731
+        self._clamp = clamp
         self.dense_bytes = dense
+        self.fixed_bytes: int | None = None  # the upload message's bytes besides the payload (observe_message)
         self.controller = StrengthController(
             lowest=clamp(dense / settings.max_reduction), highest=clamp(dense / settings.min_reduction),
             start=clamp(dense / settings.start_reduction), tighten=settings.tighten, relax=settings.relax,
             tolerance=settings.tolerance, window=settings.window, cooldown=settings.cooldown,
             revert=settings.revert)
-        self._fits: dict[int, str] = {}
+        self._fits: dict[int, budget.Fit] = {}
         self.history: list[dict] = []
 
     def _measure(self, codec) -> int:
@@ -341,14 +367,35 @@ class AutoStrength:
 
         b = self.controller.current()
         if b not in self._fits:
-            self._fits[b] = budget.fit_budget(self.template, self.layout, b, measure=self._measure).spec
-        spec = self._fits[b]
+            self._fits[b] = budget.fit_budget(self.template, self.layout, b, measure=self._measure)
+        spec = self._fits[b].spec
         if not self.history or self.history[-1]["round"] != round:
             from fedcomp.spec import parse_spec
 
             value = dict(parse_spec(spec)[self.stage].args).get(self.param)
             self.history.append({"round": round, "spec": spec, self.param: value, "budget": b})
         return spec
+
+    def observe_message(self, round: int, message_bytes: float) -> None:
+        """The mean size of round ``round``'s upload messages (Flower message bytes per client, as
+        received). What they carry besides the payload the round's spec was fitted to (framing,
+        metrics, statistics sent exact) is the fixed part (``fixed_bytes``: the smallest seen); the
+        controller's lowest budget becomes the larger of ``dense / max_reduction`` and
+        ``fixed_share`` x that (see :class:`AdaptSettings`)."""
+        _positive("message_bytes", message_bytes)
+        entry = next((h for h in reversed(self.history) if h["round"] == round), None)
+        if entry is None:
+            raise AdaptError(f"round {round} has no spec yet: call spec({round}) before observe_message({round}, ...)")
+        fixed = max(0, int(message_bytes) - self._fits[entry["budget"]].message_bytes)
+        entry["fixed_bytes"] = fixed
+        # the smallest seen: a real payload larger than the seeded update it was fitted on reads as fixed
+        # bytes, and a floor that followed each round's would move the budget by noise
+        self.fixed_bytes = fixed if self.fixed_bytes is None else min(self.fixed_bytes, fixed)
+        c = self.controller
+        c.lowest = min(self._clamp(max(self.dense_bytes / self.settings.max_reduction,
+                                       self.settings.fixed_share * self.fixed_bytes)), c.highest)
+        if c.budget < c.lowest:
+            c.budget = float(c.lowest)
 
     def observe(self, round: int, metrics) -> None:
         """Round ``round``'s evaluation metrics (``accuracy``, else ``loss``); moves the next round's budget."""

@@ -69,7 +69,8 @@ def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dic
     A spec with one ``param=auto`` (``topk(ratio=auto)+qsgd(bits=4)``) is resolved each round by
     :class:`fedcomp.adapt.AutoStrength` from the held-out accuracy after the previous round (what the
     project's ServerApp evaluates centrally); each row then records the round's ``upload_spec``, the
-    knob's value (``strength``), the controller's ``budget`` and its ``decision``.
+    knob's value (``strength``), the controller's ``budget``, its ``decision`` and the reply bytes besides
+    the payload (``fixed_bytes``, which floor the budget).
     """
     from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
@@ -146,9 +147,11 @@ def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dic
                      "upload_bytes_dense": up_dense, "download_bytes": clients * down_bytes,
                      "download_bytes_dense": clients * down_bytes_dense})
         if auto is not None:
+            auto.observe_message(rnd, up / clients)
             auto.observe(rnd, accuracy)
             h = auto.history[-1]
-            rows[-1].update(upload_spec=h["spec"], strength=h[auto.param], budget=h["budget"], decision=h["decision"])
+            rows[-1].update(upload_spec=h["spec"], strength=h[auto.param], budget=h["budget"], decision=h["decision"],
+                            fixed_bytes=h["fixed_bytes"])
     return {"upload": spec, "error_feedback": error_feedback, "rounds": rows, "clients": clients, "config": cfg,
             "seconds": time.perf_counter() - t_start}
 

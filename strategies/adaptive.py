@@ -8,7 +8,8 @@ Written as ``upload="topk(ratio=auto)+qsgd(bits=4)"``: one parameter of the uplo
 2. This strategy passes the result on and feeds its ``accuracy`` (else minus its ``loss``) to a
    :class:`fedcomp.adapt.AutoStrength`, whose :class:`~fedcomp.adapt.StrengthController` moves the
    per-client byte budget (policy: :mod:`fedcomp.adapt`; bounds and start as reductions against the
-   dense model, the same defaults for every task).
+   dense model, the same defaults for every task), with the round's mean reply size (the bytes
+   besides the payload floor the budget: ``AutoStrength.observe_message``).
 3. The budget is turned into the concrete spec of the next round (e.g. ``topk(ratio=0.0011,...)``),
    which the wrapped :class:`CompressedStrategy` sends to the clients as their upload spec and
    decodes their replies with. Clients need nothing new: they receive a concrete spec as always.
@@ -114,6 +115,11 @@ class AdaptiveStrategy(Strategy):
             if arrays is None:
                 raise AdaptError("the first observation needs the model (arrays=) to size the codec")
             self._ensure(arrays)
+        stats = self.compressed.rounds.get(server_round)
+        sizes = [c["upload_bytes"] for c in (stats.clients if stats else ()) if c.get("status") == "ok"]
+        if sizes and self.strength_of(server_round) is not None:
+            # the replies' bytes besides the payload floor the budget (AutoStrength.observe_message)
+            self.auto.observe_message(server_round, sum(sizes) / len(sizes))
         self.auto.observe(server_round, metrics)
         self._apply(server_round + 1)
         h = self.strength_of(server_round)

@@ -160,6 +160,43 @@ def test_auto_ratio_follows_the_controller_within_the_reductions():
     assert a.history[0]["signal"] == 0.5 and a.history[0]["budget"] == a.controller.lowest
 
 
+def test_the_floor_rises_to_a_share_of_the_messages_fixed_bytes():
+    settings = AdaptSettings(min_reduction=10, max_reduction=400, start_reduction=400, window=1, fixed_share=0.5)
+    a = AutoStrength("topk(ratio=auto)+qsgd(bits=4)", _LAYOUT, settings)
+    low = a.controller.lowest
+    assert low == a.dense_bytes // 400 and a.fixed_bytes is None
+    a.spec(1)
+    payload = a._fits[low].message_bytes
+    a.observe_message(1, payload + 4 * low)  # the message carries 4x the floor besides its payload
+    assert a.fixed_bytes == 4 * low and a.history[-1]["fixed_bytes"] == 4 * low
+    assert a.controller.lowest == 2 * low  # half of the fixed part: above dense / max_reduction
+    assert a.controller.current() == 2 * low  # a budget under the new floor is raised to it
+    a.observe(1, {"accuracy": 0.5})
+    assert a.history[-1]["budget"] == low  # round 1 ran at the old floor; round 2 gets the new one
+    assert a.spec(2) != a.history[0]["spec"] and a.history[-1]["budget"] == 2 * low
+    a.observe_message(2, a._fits[2 * low].message_bytes + 10**9)  # the smallest fixed part seen counts
+    assert a.fixed_bytes == 4 * low and a.history[-1]["fixed_bytes"] > 10**8 and a.controller.lowest == 2 * low
+    a.observe_message(2, a._fits[2 * low].message_bytes + 10)  # a small fixed part: dense / max_reduction rules
+    assert a.controller.lowest == low and a.controller.current() == 2 * low  # the budget itself is not lowered
+    b = AutoStrength("topk(ratio=auto)+qsgd(bits=4)", _LAYOUT, settings)
+    b.spec(1)
+    b.observe_message(1, 10**9)  # never above the highest budget
+    assert b.controller.lowest == b.controller.highest == b.controller.current()
+
+
+def test_fixed_share_zero_keeps_the_reduction_floor_and_bad_observations_are_refused():
+    a = AutoStrength("topk(ratio=auto)+qsgd(bits=4)", _LAYOUT, AdaptSettings(min_reduction=10, max_reduction=400,
+                                                                             start_reduction=400, fixed_share=0))
+    low = a.controller.lowest
+    with pytest.raises(AdaptError, match="round 1 has no spec"):
+        a.observe_message(1, 10_000)
+    a.spec(1)
+    a.observe_message(1, 10**6)
+    assert a.controller.lowest == low
+    with pytest.raises(AdaptError, match="message_bytes"):
+        a.observe_message(1, 0)
+
+
 def test_auto_signal_falls_back_to_minus_loss_and_needs_one():
     a = AutoStrength("kbit(bits=auto)", _LAYOUT, AdaptSettings(min_reduction=2, max_reduction=16, start_reduction=4))
     assert "kbit(bits=" in a.spec(1)
@@ -184,6 +221,8 @@ def test_bad_adapt_settings_are_refused():
         AdaptSettings(min_reduction=10, max_reduction=100, start_reduction=1000)
     with pytest.raises(AdaptError, match="reduction"):
         AdaptSettings(min_reduction=0.5)
+    with pytest.raises(AdaptError, match="fixed_share"):
+        AdaptSettings(fixed_share=-1)
 
 
 # -- measured links -----------------------------------------------------------------------------------

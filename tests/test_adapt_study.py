@@ -30,3 +30,4 @@ def test_link_study_tiny(tmp_path):
     assert len(rows) == 36 and {r["node"] for r in rows} == set(range(6))
     assert all(r["budget"] >= 1 and r["declared"] >= 1 and "on_time" in r for r in rows)
     assert (tmp_path / "links.png").stat().st_size > 0
+

@@ -74,6 +74,9 @@ def test_each_round_sends_and_decodes_the_spec_the_evaluation_chose():
     # every reply decoded with its round's spec and reached the aggregate; bytes follow the ratio
     assert all(strategy.rounds[r].aggregated == 3 for r in range(1, 6))
     assert strategy.rounds[4].upload_bytes > strategy.rounds[3].upload_bytes
+    # the replies' bytes besides the payload were measured every round and floor the budget
+    assert all(h["fixed_bytes"] > 0 for h in history)
+    assert strategy.auto.controller.lowest == int(FAST.fixed_share * strategy.auto.fixed_bytes) > strategy.auto.dense_bytes // 400
 
 
 def test_round_by_round_use_with_observe():
