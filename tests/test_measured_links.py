@@ -192,13 +192,15 @@ def test_a_latency_bound_broadcast_never_reads_as_a_fast_downlink():
 
 @pytest.mark.parametrize("streaming", [True, False])
 def test_a_reply_late_on_its_hidden_link_is_not_aggregated(streaming):
-    """1.2 s deadline: the 3g-edge node's first reply (a full-model download at first contact)
-    takes 1.22 s on its simulated link. The deadline would have dropped it, so the observer
-    hands the wrapped strategy an error reply instead: recorded, not aggregated."""
+    """First contact, 0.8 s deadline: the 3g-edge node's transfers alone (the full model down,
+    the probe up, 0.3 s latency each way) take ~1.2 s on its simulated link, the 4g node's 0.16 s.
+    The deadline would have dropped the first, so the observer hands the wrapped strategy an error
+    reply instead: recorded, not aggregated."""
     contexts = {i: _ctx(i) for i in (0, 6)}  # 'mixed': partition 0 is 4g, 6 is 3g-edge
-    strategy, _ = _run(contexts, rounds=2, streaming=streaming, deadline=1.2)
+    strategy, _ = _run(contexts, rounds=1, streaming=streaming, deadline=0.8)
     late = [e for e in strategy.estimates if e["late"]]
     assert [(e["node"], e["round"]) for e in late] == [(6, 1)]
+    assert late[0]["true_total_s"] - late[0]["compute_s"] > 1.0  # late by the link, whatever the compute
     statuses = {c["node"]: c["status"] for c in strategy.rounds[1].clients}
-    assert statuses[6].startswith("error: late: 1.2") and statuses[0] == "ok"
-    assert strategy.rounds[1].aggregated == 1 and strategy.rounds[2].aggregated == 2
+    assert statuses[6].startswith("error: late: ") and "deadline" in statuses[6] and statuses[0] == "ok"
+    assert strategy.rounds[1].aggregated == 1
