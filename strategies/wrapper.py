@@ -67,8 +67,8 @@ from fedcomp.tensor_kinds import COUNTER, STATISTIC, exact_state_policy, split_k
 __all__ = ["CompressedStrategy", "CompressionConfig", "RoundStats", "message_bytes", "MissingCompressionMod",
            "NoUsableReplies", "NonFiniteModel", "canonical_order"]
 
-_MEAN_IS_THE_MODEL = (FedAvg, FedProx)
-XDEV_SHARE = 0.1  # a sparsifier's share from which client residuals held in cross-device (measured)  # aggregate_train of one reply of the total weight returns its model
+_MEAN_IS_THE_MODEL = (FedAvg, FedProx)  # aggregate_train of one reply of the total weight returns its model
+XDEV_SHARE = 0.1  # a sparsifier's share from which client residuals held in cross-device (measured)
 
 
 def canonical_order(msg: Message) -> tuple[int, bytes, int]:
