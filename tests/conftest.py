@@ -30,6 +30,43 @@ class FakeGrid:
         return self.node_ids
 
 
+class ModGrid(FakeGrid):
+    """A Grid whose pushed messages run at once through the node's ``mods`` (the first one outermost),
+    ``compression_mod`` and :func:`shift_trainer`; ``sent`` records (node, round, download record)."""
+
+    def __init__(self, contexts, mods=()):
+        super().__init__(sorted(contexts))
+        self.contexts, self.mods, self.ready, self.sent = contexts, mods, {}, []
+
+    def push_messages(self, messages):
+        from fedcomp import protocol as P
+        from fedcomp.clients.mod import compression_mod
+
+        ids = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            record = msg.content.config_records[P.DOWNLOAD_RECORD]
+            rnd = int(record[P.ROUND])
+            self.sent.append((node, rnd, dict(record)))
+
+            def call(m, c, node=node, rnd=rnd):
+                return compression_mod(m, c, shift_trainer(node, rnd))
+            for mod in reversed(self.mods):
+                call = (lambda m, c, mod=mod, nxt=call: mod(m, c, nxt))
+            reply = call(msg, self.contexts[node])
+            mid = str(len(self.sent))
+            reply.metadata.__dict__["_reply_to_message_id"] = mid
+            self.ready[mid] = reply
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.ready.pop(k) for k in list(ids) if k in self.ready]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self.pull_messages(self.push_messages(messages))
+
+
 # -- shared helpers for client/strategy tests (import them: `from conftest import ...`) -------------
 def tiny_model(seed: int = 0, rows: int = 64, cols: int = 50, *, half: bool = False, steps: int = 3):
     """A small model: a rows x cols weight, a bias, optionally an fp16 tensor, an int64 counter."""

@@ -6,43 +6,13 @@ import pytest
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
-from conftest import node_context, run_round, shift_trainer, tiny_model
+from conftest import ModGrid, node_context, run_round, tiny_model
 from fedcomp import protocol as P
 from fedcomp.adapt import AdaptError, AdaptSettings
-from fedcomp.clients.mod import compression_mod
 from fedcomp.strategies.adaptive import AdaptiveStrategy
 
 SPEC = "topk(ratio=auto)+qsgd(bits=4)"
 FAST = AdaptSettings(min_reduction=4, max_reduction=400, start_reduction=400, window=1)
-
-
-class _Grid:
-    """Pushed messages go through the node's compression_mod and shift_trainer at once."""
-
-    def __init__(self, contexts, seen):
-        self.contexts, self.seen, self.ready, self.count = contexts, seen, {}, 0
-
-    def get_node_ids(self):
-        return sorted(self.contexts)
-
-    def push_messages(self, messages):
-        ids = []
-        for msg in messages:
-            node = msg.metadata.dst_node_id
-            record = msg.content.config_records[P.DOWNLOAD_RECORD]
-            self.seen.append((int(record[P.ROUND]), str(record[P.UPLOAD_SPEC])))
-            reply = compression_mod(msg, self.contexts[node], shift_trainer(node, int(record[P.ROUND])))
-            self.count += 1
-            reply.metadata.__dict__["_reply_to_message_id"] = str(self.count)
-            self.ready[str(self.count)] = reply
-            ids.append(str(self.count))
-        return ids
-
-    def pull_messages(self, ids):
-        return [self.ready.pop(k) for k in list(ids) if k in self.ready]
-
-    def send_and_receive(self, messages, *, timeout=None):
-        return self.pull_messages(self.push_messages(messages))
 
 
 def _strategy(n=3, **kw):
@@ -52,18 +22,18 @@ def _strategy(n=3, **kw):
 
 def test_each_round_sends_and_decodes_the_spec_the_evaluation_chose():
     contexts = {i: node_context(i) for i in (1, 2, 3)}
-    seen: list[tuple[int, str]] = []
+    grid = ModGrid(contexts)
     accuracy = {0: 0.1, 1: 0.5, 2: 0.9, 3: 0.9, 4: 0.9, 5: 0.9}  # progress, then a plateau
 
     def evaluate(server_round, arrays):
         return MetricRecord({"accuracy": accuracy[server_round], "loss": 1.0})
 
     strategy = _strategy()
-    strategy.start(_Grid(contexts, seen), ArrayRecord(tiny_model()), num_rounds=5, evaluate_fn=evaluate)
+    strategy.start(grid, ArrayRecord(tiny_model()), num_rounds=5, evaluate_fn=evaluate)
     history = strategy.history
     assert [h["round"] for h in history] == [1, 2, 3, 4, 5]  # the unrun round 6 is not kept
     # what the clients were told is the round's concrete spec (never 'auto'), one per round
-    sent = {r: {s for rr, s in seen if rr == r} for r in range(1, 6)}
+    sent = {r: {str(rec[P.UPLOAD_SPEC]) for _, rr, rec in grid.sent if rr == r} for r in range(1, 6)}
     assert all(sent[h["round"]] == {h["spec"]} and "auto" not in h["spec"] for h in history)
     ratios = [h["ratio"] for h in history]
     decisions = [h["decision"] for h in history]
@@ -102,7 +72,7 @@ def test_a_fixed_spec_and_sketch_aggregation_are_refused():
 
 def test_start_needs_the_server_side_evaluation():
     with pytest.raises(AdaptError, match="evaluate_fn"):
-        _strategy().start(_Grid({1: node_context(1)}, []), ArrayRecord(tiny_model()), num_rounds=1)
+        _strategy().start(ModGrid({1: node_context(1)}), ArrayRecord(tiny_model()), num_rounds=1)
 
 
 def test_project_app_accepts_an_auto_upload_and_refuses_a_bad_one():

@@ -7,11 +7,10 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from conftest import shift_trainer, tiny_model
+from conftest import ModGrid, tiny_model
 from fedcomp import links
 from fedcomp import protocol as P
 from fedcomp.adapt import FAST_KBPS, AdaptError, MeasuredBudgets
-from fedcomp.clients.mod import compression_mod
 from fedcomp.simulations.netsim import netsim_mod
 from fedcomp.strategies.measured import MeasuredLinkStrategy
 from fedcomp.strategies.wrapper import CompressedStrategy
@@ -25,49 +24,13 @@ def _ctx(node: int, profile: str = "measured:mixed", **node_config) -> Context:
                    state=RecordDict(), run_config={"link-profile": profile, "seed": 0})
 
 
-class _Grid:
-    """Pushed messages go through netsim_mod -> compression_mod -> shift_trainer at once; records
-    what each node was sent."""
-
-    def __init__(self, contexts, mods=(netsim_mod,)):
-        self.contexts, self.mods, self.ready, self.count, self.sent = contexts, mods, {}, 0, []
-
-    def get_node_ids(self):
-        return sorted(self.contexts)
-
-    def push_messages(self, messages):
-        ids = []
-        for msg in messages:
-            node = msg.metadata.dst_node_id
-            record = msg.content.config_records[P.DOWNLOAD_RECORD]
-            self.sent.append((node, int(record[P.ROUND]), dict(record)))
-            rnd = int(record[P.ROUND])
-
-            def call(m, c, node=node, rnd=rnd):
-                return compression_mod(m, c, shift_trainer(node, rnd))
-            for mod in self.mods:
-                call = (lambda m, c, mod=mod, nxt=call: mod(m, c, nxt))
-            reply = call(msg, self.contexts[node])
-            self.count += 1
-            reply.metadata.__dict__["_reply_to_message_id"] = str(self.count)
-            self.ready[str(self.count)] = reply
-            ids.append(str(self.count))
-        return ids
-
-    def pull_messages(self, ids):
-        return [self.ready.pop(k) for k in list(ids) if k in self.ready]
-
-    def send_and_receive(self, messages, *, timeout=None):
-        return self.pull_messages(self.push_messages(messages))
-
-
 def _run(contexts, rounds=6, mods=(netsim_mod,), streaming=True, deadline=DEADLINE):
     n = len(contexts)
     inner = CompressedStrategy(FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=n,
                                       min_train_nodes=n), upload=SPEC, download="none()", round_deadline_s=deadline,
                                streaming=streaming)
     strategy = MeasuredLinkStrategy(inner, deadline)
-    grid = _Grid(contexts, mods)
+    grid = ModGrid(contexts, mods)
     strategy.start(grid, ArrayRecord(tiny_model(rows=128, cols=100)), num_rounds=rounds,
                    evaluate_fn=lambda r, a: MetricRecord({"accuracy": 0.5}))
     return strategy, grid
@@ -117,7 +80,7 @@ def test_a_declared_link_wins_and_no_link_stays_unbudgeted():
 def test_without_an_estimate_the_mod_is_unbudgeted():
     inner = CompressedStrategy(FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=1,
                                       min_train_nodes=1), upload=SPEC, download="none()")
-    grid = _Grid({3: _ctx(3, profile="none")}, mods=())
+    grid = ModGrid({3: _ctx(3, profile="none")}, mods=())
     inner.start(grid, ArrayRecord(tiny_model()), num_rounds=1, evaluate_fn=lambda r, a: MetricRecord({"accuracy": 0.5}))
     assert not inner.rounds[1].links  # no link reported, no budget
 
