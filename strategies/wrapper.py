@@ -725,12 +725,7 @@ class CompressedStrategy(Strategy):
         exact = {name: model[name] for name in self._statistics_names()}
         del model
         arrays, _ = self.inner.aggregate_train(server_round, [merged])
-        arrays = self._as_layout(arrays)
-        if arrays is None or not exact:
-            return arrays, metrics
-        stepped = arrays.to_torch_state_dict()
-        stepped.update(exact)
-        return ArrayRecord(stepped), metrics
+        return self._as_layout(arrays, exact), metrics
 
     def _statistics_names(self) -> list[str]:
         """Entries that keep the clients' mean after a server step: running statistics and counters,
@@ -740,13 +735,17 @@ class CompressedStrategy(Strategy):
         kinds = split_kinds(self._statistics_layout)
         return kinds[STATISTIC] + kinds[COUNTER]
 
-    def _as_layout(self, arrays: ArrayRecord | None) -> ArrayRecord | None:
+    def _as_layout(self, arrays: ArrayRecord | None,
+                   exact: dict[str, torch.Tensor] | None = None) -> ArrayRecord | None:
         """The aggregate in the model's dtypes (FedAvg turns integer buffers into float64), so
-        the broadcast references keep one layout."""
+        the broadcast references keep one layout; entries in ``exact`` replace the aggregate's."""
         if arrays is None or self._layout is None:
             return arrays
         model = arrays.to_torch_state_dict()
-        if fedcomp.Layout.of(model) == self._layout or set(model) != set(self._layout.names):
+        if set(model) != set(self._layout.names):  # not the model's entries: left as the strategy made it
+            return ArrayRecord({**model, **exact}) if exact else arrays
+        model.update(exact or {})
+        if fedcomp.Layout.of(model) == self._layout and not exact:
             return arrays
         dtypes = {t.name: t.torch_dtype for t in self._layout.tensors}
         return ArrayRecord({k: v.round().to(dtypes[k]) if v.is_floating_point() and not dtypes[k].is_floating_point
