@@ -23,7 +23,7 @@ _parent = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).parent / "clients").is_dir() and (_parent / "clients" / "mod.py").is_file():
     __path__.append(str(_parent))  # noqa: F821  (a package's __path__)
 
-from fedcomp.codec import Codec, Encoded, available_codecs, derive_nonce
+from fedcomp.codec import Codec, Encoded, available_codecs, cross_device_spec, derive_nonce
 from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.feedback import compress
 from fedcomp.layout import Layout, TensorSpec
@@ -40,5 +40,6 @@ __all__ = [
     "available_codecs",
     "build_codec",
     "compress",
+    "cross_device_spec",
     "derive_nonce",
 ]

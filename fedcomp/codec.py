@@ -356,6 +356,27 @@ def _build_stage(name: str, args: dict):
     return cls.from_args(args)
 
 
+def cross_device_spec(spec: str) -> str:
+    """``spec`` with each stage's ``cross_device`` defaults (see :mod:`fedcomp.base`) for the
+    arguments it does not write, canonical; ``spec`` itself when no stage has such a default to fill.
+
+    For runs where each client takes part now and then (cross-device): what a biased codec keeps
+    on the client is many rounds stale when its client comes back, and the defaults for
+    every-round participation lose several points there (README, "Cross-device settings").
+    ``topk()`` becomes ``topk(ratio=0.1,...)``; ``topk(ratio=0.01)`` stays as written.
+    """
+    stages = parse_spec(spec)
+    filled = []
+    for stage in stages:
+        written = dict(stage.args)
+        cls = REGISTRY.get(stage.name)
+        extra = {k: v for k, v in getattr(cls, "cross_device", {}).items() if k not in written}
+        filled.append((stage.name, {**written, **extra}, bool(extra)))
+    if not any(changed for _, _, changed in filled):
+        return spec
+    return "+".join(_build_stage(name, args).canonical() for name, args, _ in filled)
+
+
 def available_codecs() -> dict[str, str]:
     """Spec name -> signature with defaults, for every registered stage."""
     return {name: cls.signature() for name, cls in REGISTRY.items()}

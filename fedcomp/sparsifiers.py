@@ -295,6 +295,8 @@ class TopK(_CodedIndices):
 
     name = "topk"
     accepts_pieces = True  # a global segment over several tensors is scanned in place (no concatenation)
+    # 10 of 100 clients per round (mnist cnn-bn, 30 rounds, 3 seeds): ratio 0.01 -5.7 points, 0.1 +0.6 (README)
+    cross_device = {"ratio": 0.1}
 
     @dataclass(frozen=True)
     class Config:

@@ -52,6 +52,7 @@ import fedcomp
 from fedcomp import links
 from fedcomp.broadcast import parse_thresholds, parse_tiers
 from fedcomp.budget import FALLBACKS, check_budgetable
+from fedcomp.policy import is_policy
 
 AGGREGATIONS = ("auto", "decode", "sketch")
 AUTO = "auto"
@@ -179,6 +180,13 @@ class CompressionConfig:
         """Whether the upload or download spec is still to be picked from the regime."""
         return AUTO in (self.upload, self.download)
 
+    @property
+    def regime_dependent(self) -> bool:
+        """Whether the upload is an explicit spec whose codec has cross-device defaults for arguments
+        it leaves out (resolved at the first training round, like ``"auto"``)."""
+        return (self.upload != AUTO and not is_policy(self.upload)
+                and fedcomp.cross_device_spec(self.upload) != self.upload)
+
     def resolve(self, *, partial: bool, numel: int | None = None, sparse_averse: bool = False,
                 statistics: bool = False) -> "CompressionConfig":
         """This config with ``"auto"`` specs replaced for the regime (module docstring).
@@ -189,9 +197,11 @@ class CompressionConfig:
         update or normalizes it per coordinate (robust aggregators, QFedAvg, FedAdam...);
         ``statistics``: the model has running statistics (BatchNorm) that must travel exact
         (``exact_statistics``): cross-device gets dense ``qsgd(bits=4)`` (module docstring).
-        A config without ``"auto"`` comes back as is.
+        An explicit upload spec in cross-device takes its codec's cross-device defaults for the
+        arguments it leaves out (:func:`fedcomp.cross_device_spec`: ``topk()`` keeps a tenth);
+        otherwise a config without ``"auto"`` comes back as is.
         """
-        if not self.auto:
+        if not self.auto and not (partial and self.regime_dependent):
             return self
         budgets = self.link_profile != links.NONE or self.round_deadline_s or self.delta
         statistics_exact = statistics and self.exact_statistics and self.aggregation == AUTO
@@ -204,7 +214,7 @@ class CompressionConfig:
         elif self.upload == AUTO:
             upload = cross_device_upload(numel or PLACEHOLDER_PARAMS) if sketchable else SILO_UPLOAD
         else:
-            upload = self.upload
+            upload = fedcomp.cross_device_spec(self.upload) if partial and self.regime_dependent else self.upload
         codec = fedcomp.build_codec(upload)
         sketch = self.aggregation == "sketch" or (self.aggregation == AUTO and _linear_reducer(codec))
         coupled = self.coupled_download

@@ -260,6 +260,7 @@ class CompressedStrategy(Strategy):
         # 'auto' specs: provisional from the inner strategy's fraction_train until the first
         # training round, which knows the nodes sampled, the nodes connected and the model's size
         self.sparse_averse = sparse_averse(inner)
+        self._upload_set = False  # set_upload was called (AdaptiveStrategy): no regime resolution of the upload
         self._use(config.resolve(partial=float(getattr(inner, "fraction_train", 1.0)) < 1, sparse_averse=self.sparse_averse))
         if not config.auto:
             self._warn_biased()
@@ -296,8 +297,10 @@ class CompressedStrategy(Strategy):
         self.tier_kbps = ",".join(str(v) for v in parse_thresholds(config.download_tier_kbps, len(self.tiers)))
 
     def _resolve(self, sampled: int, connected: int, arrays: ArrayRecord) -> None:
-        """Pick 'auto' specs from the regime at the first training round (CompressionConfig.resolve)."""
-        if not self.requested.auto or self._layout is not None:
+        """Pick 'auto' specs, and an explicit upload's cross-device defaults, from the regime at the first
+        training round (CompressionConfig.resolve)."""
+        regime = self.requested.regime_dependent and not self._upload_set
+        if self._layout is not None or not (self.requested.auto or regime):
             return
         state = arrays.to_torch_state_dict()
         numel = sum(int(v.numel()) for v in state.values() if v.is_floating_point())
@@ -305,7 +308,8 @@ class CompressedStrategy(Strategy):
         statistics = bool(split_kinds(state)[STATISTIC])
         self._use(self.requested.resolve(partial=partial, numel=numel, sparse_averse=self.sparse_averse,
                                          statistics=statistics))
-        self._warn_biased()
+        if self.requested.auto:
+            self._warn_biased()
         log(INFO, "fedcomp: %s (%d of %d nodes per round, %d parameters): upload %s, download %s, aggregation %s",
             "cross-device" if partial else "cross-silo", sampled, connected, numel, self.upload.spec,
             " | ".join(t.codec.spec for t in self.tiers), self.aggregation)
@@ -384,8 +388,9 @@ class CompressedStrategy(Strategy):
         if not messages:
             return messages
         if self._layout is None:
-            self._warn_stale_residuals(len(messages), len(list(grid.get_node_ids())))
-        self._resolve(len(messages), len(list(grid.get_node_ids())), arrays)
+            connected = len(list(grid.get_node_ids()))
+            self._resolve(len(messages), connected, arrays)
+            self._warn_stale_residuals(len(messages), connected)
         model = self._set_model(arrays)
         nodes = [msg.metadata.dst_node_id for msg in messages]
         tier_of = {node: self._want.get(node, 0) for node in nodes}
@@ -464,6 +469,7 @@ class CompressedStrategy(Strategy):
         """Use ``spec`` for the uploads of the rounds configured from now on (``AdaptiveStrategy``
         sets each round's spec this way); running statistics stay exact as for the configured spec."""
         codec = fedcomp.build_codec(spec)
+        self._upload_set = True  # the caller owns the upload now: the round-1 regime resolution keeps it
         if self._statistics_layout is not None and not codec.lossless:
             codec = fedcomp.build_codec(exact_state_policy(spec, self._statistics_layout))
         self.upload = codec

@@ -49,6 +49,20 @@ def test_each_round_sends_and_decodes_the_spec_the_evaluation_chose():
     assert strategy.auto.controller.lowest == int(FAST.fixed_share * strategy.auto.fixed_bytes) > strategy.auto.dense_bytes // 400
 
 
+def test_cross_device_keeps_the_spec_the_controller_chose():
+    """topk()'s cross-device default (ratio 0.1) fills only what a spec leaves out: the controller's
+    ratio stands in every round, round 1 included, when half the nodes are sampled."""
+    contexts = {i: node_context(i) for i in (1, 2, 3, 4)}
+    grid = ModGrid(contexts)
+    strategy = AdaptiveStrategy(FedAvg(fraction_train=0.5, fraction_evaluate=0.0, min_available_nodes=4, min_train_nodes=2),
+                                upload=SPEC, adapt=FAST)
+    strategy.start(grid, ArrayRecord(tiny_model()), num_rounds=2,
+                   evaluate_fn=lambda r, arrays: MetricRecord({"accuracy": 0.1 * r}))
+    for h in strategy.history:
+        assert {str(rec[P.UPLOAD_SPEC]) for _, rr, rec in grid.sent if rr == h["round"]} == {h["spec"]}
+        assert h["ratio"] < 0.1
+
+
 def test_round_by_round_use_with_observe():
     contexts = {i: node_context(i) for i in (1, 2)}
     model = tiny_model()

@@ -294,6 +294,26 @@ def test_documented_defaults(name):
     assert dataclasses.asdict(stage.config) == DEFAULTS[name]
 
 
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_cross_device_defaults_are_valid_arguments(name):
+    """A stage's cross-device defaults name fields of its Config and build a valid stage."""
+    cls = REGISTRY[name]
+    fields = {f.name for f in dataclasses.fields(cls.Config)}
+    assert set(cls.cross_device) <= fields, f"{name}.cross_device names {sorted(set(cls.cross_device) - fields)}"
+    spec = f"{name}()" if cls.kind == "quantizer" else f"{name}()+none()"
+    out = fedcomp.cross_device_spec(spec)
+    assert (out == spec) == (not cls.cross_device)
+    assert build_codec(out).spec == out or out == spec  # canonical, and it builds
+
+
+def test_cross_device_spec_fills_only_what_the_spec_leaves_out():
+    assert fedcomp.cross_device_spec("topk()") == "topk(ratio=0.1,scope='global',index='rice')"
+    assert fedcomp.cross_device_spec("topk()+qsgd(bits=4)").startswith("topk(ratio=0.1,")
+    assert fedcomp.cross_device_spec("topk(scope='tensor')") == "topk(ratio=0.1,scope='tensor',index='rice')"
+    for written in ("topk(ratio=0.01)", "qsgd(bits=4)", "sketch()", "none()"):
+        assert fedcomp.cross_device_spec(written) == written  # written arguments and stages without any stay
+
+
 @ALL
 def test_spec_is_parsed_as_the_table_means(case):
     codec = codec_of(case)

@@ -219,6 +219,19 @@ def test_auto_specs_follow_the_nodes_sampled_and_the_models_size(fraction, min_n
     assert strategy.rounds[1].aggregated == (4 if regime == "silo" else 2)
 
 
+@pytest.mark.parametrize("upload, fraction, expected", [
+    ("topk()", 0.5, "topk(ratio=0.1,"),  # cross-device: the unwritten ratio takes topk's cross-device default
+    ("topk()", 1.0, "topk(ratio=0.01,"),  # every node every round: the codec table's default
+    ("topk(ratio=0.02)+qsgd(bits=4)", 0.5, "topk(ratio=0.02,"),  # a written ratio stands
+])
+def test_an_explicit_upload_takes_its_cross_device_defaults_for_what_it_leaves_out(upload, fraction, expected):
+    strategy = CompressedStrategy(FedAvg(fraction_train=fraction, min_available_nodes=4, min_train_nodes=2),
+                                  upload=upload, download="none()")
+    run_round(strategy, tiny_model(), _contexts(4), 1)
+    assert strategy.upload.spec.startswith(expected) and strategy.requested.upload == upload
+    assert strategy.rounds[1].aggregated == (2 if fraction < 1 else 4)
+
+
 def test_auto_keeps_decoded_aggregation_with_link_budgets_or_delta():
     for settings in ({"link_profile": "4g"}, {"delta": 0.5}):
         cfg = CompressedStrategy(FedAvg(fraction_train=0.1), **settings).requested.resolve(partial=True, numel=10_000)
