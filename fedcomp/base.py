@@ -13,8 +13,9 @@ Traits (read from the class by ``Codec``, the byte-budget controller and the con
     scope           (reducers) "global": one segment over all float tensors; "tensor": one per tensor
     budget_knobs    the parameters a byte budget may move, with their scale and range (Knob)
     budget_args     arguments forced when budgeted (threshold and dgc select exactly: sample=1.0)
-    cross_device    defaults for a run where each client takes part now and then (a spec's unwritten
-                    arguments take them there: ``fedcomp.cross_device_spec``); measured, not guessed
+    feedback        error feedback applies (False for rescaled random-k: its residual would grow by n/k - 1)
+    cross_device    defaults for a run where each client takes part now and then, taken as a set by a
+                    spec that writes none of them (``fedcomp.cross_device_spec``); measured, not guessed
 
 A codec that needs error feedback is one that is not unbiased (``Codec.needs_error_feedback``).
 
@@ -110,6 +111,7 @@ class Stage:
     budget_knobs: ClassVar[tuple[Knob, ...]] = ()  # parameters a byte budget may move, finest last
     budget_args: ClassVar[dict[str, Any]] = {}  # arguments a budgeted stage is forced to (exact selection)
     cross_device: ClassVar[dict[str, Any]] = {}  # defaults when each client takes part now and then
+    feedback: ClassVar[bool] = True  # error feedback applies (may be a property where a parameter decides)
 
     def __init__(self, config: Any) -> None:
         self.config = config

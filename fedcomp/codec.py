@@ -142,6 +142,11 @@ class Codec:
         return bool(self.reducer is not None and self.reducer.linear and self.quantizer.name == "none")
 
     @property
+    def takes_error_feedback(self) -> bool:
+        """Error feedback applies: False where a stage scales its decoded values up (rescaled random-k)."""
+        return bool((self.reducer is None or self.reducer.feedback) and self.quantizer.feedback)
+
+    @property
     def needs_error_feedback(self) -> bool:
         """Biased codecs converge only with error feedback."""
         return not self.unbiased
@@ -357,8 +362,9 @@ def _build_stage(name: str, args: dict):
 
 
 def cross_device_spec(spec: str) -> str:
-    """``spec`` with each stage's ``cross_device`` defaults (see :mod:`fedcomp.base`) for the
-    arguments it does not write, canonical; ``spec`` itself when no stage has such a default to fill.
+    """``spec`` with each stage's ``cross_device`` defaults (see :mod:`fedcomp.base`), canonical;
+    ``spec`` itself when no stage takes any. A stage takes them as a set, where the spec writes none
+    of them (``randomk(ratio=0.01)`` stays unscaled: the rescale belongs to the cross-device ratio).
 
     For runs where each client takes part now and then (cross-device): what a biased codec keeps
     on the client is many rounds stale when its client comes back, and the defaults for
@@ -370,7 +376,8 @@ def cross_device_spec(spec: str) -> str:
     for stage in stages:
         written = dict(stage.args)
         cls = REGISTRY.get(stage.name)
-        extra = {k: v for k, v in getattr(cls, "cross_device", {}).items() if k not in written}
+        cross = getattr(cls, "cross_device", {})
+        extra = {} if set(cross) & set(written) else dict(cross)
         filled.append((stage.name, {**written, **extra}, bool(extra)))
     if not any(changed for _, _, changed in filled):
         return spec

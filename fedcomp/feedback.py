@@ -16,6 +16,7 @@ import torch
 
 from fedcomp.base import Reducer, StageContext, add_residual
 from fedcomp.codec import Codec, Encoded, LazyDecoded
+from fedcomp.layout import Layout
 
 
 def compress(
@@ -37,7 +38,7 @@ def compress(
     """
     # values travel as fp32 at most: none() is exact for fp32/fp16/bf16, not for float64
     exact = codec.lossless and all(t.dtype != torch.float64 for t in update.values())
-    use_ef = error_feedback and not exact
+    use_ef = error_feedback and not exact and getattr(codec, "takes_error_feedback", True)
     ctx = StageContext(nonce, round, state)
     update = dict(update)
     kept = {}
@@ -72,4 +73,7 @@ def compress(
         fresh = own and name in kept and t.dtype == dtype and t is not update[name]
         e = t if fresh else t.to(dtype, copy=True)
         new_residual[name] = subtract(name, e)
+    if hasattr(codec, "without_feedback"):  # a policy with a rule that takes none
+        for name in codec.without_feedback(Layout.of(target), round):
+            new_residual.pop(name, None)
     return encoded, new_residual

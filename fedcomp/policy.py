@@ -110,6 +110,15 @@ class PolicyCodec:
     def needs_error_feedback(self) -> bool:
         return not self.unbiased
 
+    @property
+    def takes_error_feedback(self) -> bool:
+        return any(codec.takes_error_feedback for _, codec in self.rules)
+
+    def without_feedback(self, layout: Layout, round: int) -> list[str]:
+        """Tensors whose rule's codec takes no error feedback (rescaled random-k): no residual kept."""
+        return [n for i, sub in self.groups(layout, round) if not self.rules[i][1].takes_error_feedback
+                for n in sub.names]
+
     linear = False
 
     def __repr__(self) -> str:

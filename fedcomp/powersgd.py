@@ -159,6 +159,8 @@ class PowerSGD(Reducer):
     """
 
     name = "powersgd"
+    # 10 of 100 clients per round (mnist cnn-bn, 30 rounds): rank 4 -3.0 points (5 seeds), rank 8 held (README)
+    cross_device = {"rank": 8}
     scope = "tensor"
     unbiased = False
     linear = False

@@ -516,20 +516,42 @@ class BFloat16(_HalfFloat):
 
 @register
 class Sign(Quantizer):
-    """1-bit sign with one scale per block: the block's mean |x| (EF-signSGD's ||x||_1 / d).
+    """1-bit sign with one scale per block.
 
-    Per block, ||x - scale * sign(x)||^2 = ||x||^2 - ||x||_1^2 / d <= ||x||^2.
+    ``scale="mean"``: the block's mean |x| (EF-signSGD's ||x||_1 / d), the least-squares scale:
+    ||x - scale * sign(x)||^2 = ||x||^2 - ||x||_1^2 / d <= ||x||^2. The decoded block is shorter
+    than x by the factor ||x||_1 / (sqrt(d) ||x||_2) (0.8 for Gaussian values, less for heavy tails).
+    ``scale="rms"``: ||x||_2 / sqrt(d), the decoded block has x's length. Where a client's update
+    reaches the model at once rather than through many rounds of error feedback (a client that
+    takes part now and then), the shorter step is what was lost: mnist cnn-bn, 100 clients at 10%,
+    30 rounds, seeds 0 and 1: ``mean`` -4.7 and -6.0 points against dense, ``rms`` +1.0 and -0.0
+    (its cross-device default). Only the encoder differs: both decode alike.
     """
 
     name = "sign"
+    cross_device = {"scale": "rms"}
 
     @dataclass(frozen=True)
     class Config:
         block: int = 0  # elements per scale; 0 = one scale per segment (a tensor, or the kept values)
+        scale: str = "mean"  # "mean": mean |x| per block (least squares); "rms": ||x||_2 / sqrt(d) (keeps the length)
 
     def validate(self) -> None:
         if self.config.block < 0:
             self.fail("block", "0 (one scale per segment) or a positive block size")
+        if self.config.scale not in ("mean", "rms"):
+            self.fail("scale", "'mean' (mean |x| per block) or 'rms' (the block's root mean square)")
+
+    def canonical(self) -> str:
+        # the default scale is left out: specs (hence fingerprints) from before the option stay the same
+        return super().canonical().replace(",scale='mean'", "")
+
+    def _scales(self, rows: torch.Tensor, counts: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """Per row (block, zero padded): mean |x| or the root mean square over its ``counts`` elements."""
+        if self.config.scale == "rms":
+            return torch.linalg.vector_norm(rows, dim=1) / counts.sqrt()
+        mag = torch.abs(rows) if scratch is None else torch.abs(rows, out=scratch)
+        return mag.sum(dim=1) / counts
 
     def nbytes(self, count: int) -> int:
         return 4 * blocks(count, self.config.block) + packed_bytes(count, 1)
@@ -538,8 +560,7 @@ class Sign(Quantizer):
         m, block = x.numel(), self.config.block
         if m == 0:
             return x
-        rows = _blocked(x, block)
-        scale = rows.abs().sum(dim=1) / _block_counts(m, block, x.device)
+        scale = self._scales(_blocked(x, block), _block_counts(m, block, x.device))
         negative = x < 0
         out.tensor(scale)
         out.tensor(pack_bits(negative, 1))
@@ -551,14 +572,14 @@ class Sign(Quantizer):
         if m == 0:
             return
         w = _BlockWriter(m, self.config.block, 1, 1, x.device)
-        if self.config.block == 0:  # one scale: sum |x| in one call, as encode does (its bits);
+        if self.config.block == 0:  # one scale: one reduction over x, as encode does (its bits);
             # x viewed as one row, not padded (_blocked's pad is a full copy): the same row, the same sum
-            w.params[0, 0] = x.reshape(1, -1).abs().sum(dim=1)[0] / m
+            w.params[0, 0] = self._scales(x.reshape(1, -1), _block_counts(m, 0, x.device))[0]
         else:
             for start, stop, b0, b1 in w.chunks():
                 rows = _padded_rows(x[start:stop], w.size, fill_first=False)
-                mag = torch.abs(rows, out=w.f32[:rows.numel()].view(rows.shape))
-                w.params[b0:b1, 0] = mag.sum(dim=1) / _block_counts(stop - start, w.size, x.device)
+                w.params[b0:b1, 0] = self._scales(rows, _block_counts(stop - start, w.size, x.device),
+                                                  w.f32[:rows.numel()].view(rows.shape))
         k = _encode_kernels(x)
         for start, stop, _, _ in w.chunks():
             if k is not None:

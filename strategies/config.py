@@ -19,6 +19,11 @@ when the number of connected nodes, the number sampled and the model's size are 
   exactly what it broadcasts. Client residuals go stale when a client is seen every tenth round
   (-9.5 points with top-k in the study); the sketch scheme held in every regime measured.
 
+An explicit upload spec resolves at the same moment: in cross-device its codec takes its
+cross-device defaults where the spec writes none of them (:func:`fedcomp.cross_device_spec`:
+``topk()`` and ``dgc()`` keep a tenth, ``powersgd()`` rank 8, ``sign()`` the rms scale, ``randomk()``
+a tenth rescaled, without residual; README, "Cross-device defaults").
+
 Link budgets (``link_profile``, ``round_deadline_s``) and ``delta`` need per-client decoding, so
 with them ``"auto"`` resolves to the cross-silo specs in every regime. Models with running
 statistics (BatchNorm) in cross-device get ``qsgd(bits=4)`` while ``exact_statistics`` is on (mnist

@@ -53,7 +53,7 @@ DEFAULTS: dict[str, dict] = {
     "none": {},
     "fp16": {},
     "bf16": {},
-    "sign": {"block": 0},
+    "sign": {"block": 0, "scale": "mean"},
     "twobit": {"threshold": 0.001},
     "kbit": {"bits": 4, "block": 256, "stochastic": False, "coding": "packed"},
     "qsgd": {"bits": 4, "bucket": 512, "norm": "max", "coding": "packed"},
@@ -103,7 +103,7 @@ class Case:
             return "none", {}
         if last == "threshold":  # alone: signs decoding to +-tau (static) or to +- mean |kept| (adaptive)
             p = self.params("threshold")
-            return ("sign", {"block": 0}) if p["ratio"] > 0 else ("fixed-sign", {"tau": p["tau"]})
+            return ("sign", {"block": 0, "scale": "mean"}) if p["ratio"] > 0 else ("fixed-sign", {"tau": p["tau"]})
         return "none", {}
 
 
@@ -117,6 +117,7 @@ CASES = [
     C("bf16", ("bf16", {})),
     C("sign-b0", ("sign", {"block": 0})),
     C("sign-b128", ("sign", {"block": 128})),
+    C("sign-rms-b100", ("sign", {"block": 100, "scale": "rms"})),
     C("twobit-t0.05", ("twobit", {"threshold": 0.05})),
     C("twobit-default", ("twobit", {})),
     C("kbit1", ("kbit", {"bits": 1})),
@@ -310,7 +311,11 @@ def test_cross_device_spec_fills_only_what_the_spec_leaves_out():
     assert fedcomp.cross_device_spec("topk()") == "topk(ratio=0.1,scope='global',index='rice')"
     assert fedcomp.cross_device_spec("topk()+qsgd(bits=4)").startswith("topk(ratio=0.1,")
     assert fedcomp.cross_device_spec("topk(scope='tensor')") == "topk(ratio=0.1,scope='tensor',index='rice')"
-    for written in ("topk(ratio=0.01)", "qsgd(bits=4)", "sketch()", "none()"):
+    assert fedcomp.cross_device_spec("sign(block=64)") == "sign(block=64,scale='rms')"
+    assert fedcomp.cross_device_spec("randomk()") == "randomk(ratio=0.1,scope='global',rescale=True)"
+    assert fedcomp.cross_device_spec("randomk(ratio=0.01)") == "randomk(ratio=0.01)"  # a set: all or none
+    assert build_codec("sign(scale='mean')").spec == "sign(block=0)"  # the default scale keeps the old spec
+    for written in ("topk(ratio=0.01)", "qsgd(bits=4)", "sketch()", "none()", "sign(scale='mean')"):
         assert fedcomp.cross_device_spec(written) == written  # written arguments and stages without any stay
 
 
@@ -570,12 +575,15 @@ def check_quantizer(name: str, p: dict, v: torch.Tensor, w: torch.Tensor, half: 
         for b in _blocks(n, p["block"]):
             xb, wb = v64[b], w64[b]
             d = xb.numel()
-            s = xb.abs().sum() / d
-            _close(wb.abs(), torch.full_like(wb, float(s)), half[b], "sign: |x^| is the block's mean |x|")
+            rms = p.get("scale", "mean") == "rms"
+            s = (xb**2).sum().sqrt() / d**0.5 if rms else xb.abs().sum() / d
+            _close(wb.abs(), torch.full_like(wb, float(s)), half[b], f"sign: |x^| is the block's {'rms' if rms else 'mean |x|'}")
             nz = xb != 0
             assert bool(((wb[nz] < 0) == (xb[nz] < 0)).all()), "sign flipped"
             err2 = ((xb - wb) ** 2).sum()
             norm2 = (xb**2).sum()
+            if rms:  # the decoded block keeps x's length; no least-squares identity
+                continue
             if not bool(half[b].any()):
                 identity = norm2 - xb.abs().sum() ** 2 / d
                 assert abs(float(err2 - identity)) <= 1e-5 * float(norm2) + 1e-30, "||x - x^||^2 != ||x||^2 - ||x||_1^2/d"

@@ -110,6 +110,9 @@ def test_lossy_list_covers_every_registered_stage():
 def test_error_feedback_identity(spec, kind):
     """sum u - sum decoded == final residual, for every lossy codec (fp32 tensors: to float rounding)."""
     sum_u, sum_d, norms, residual, p_norms = run(spec, kind)
+    if not build_codec(spec).takes_error_feedback:  # rescaled random-k: unbiased, no residual kept
+        assert residual == {}
+        return
     e = flat(residual)
     tol = 2**-21 * p_norms + 1e-9  # a few fp32 roundings of p and e per round
     assert float((sum_u - sum_d - e).norm()) <= tol
@@ -195,6 +198,22 @@ def test_error_feedback_off_ignores_and_returns_no_residual():
     enc, residual = compress(codec, u, _residual_like(u), nonce=4, error_feedback=False)
     assert residual == {}
     assert enc.payload == codec.encode(u, nonce=4).payload
+
+
+def test_rescaled_randomk_takes_no_error_feedback_alone_or_in_a_policy():
+    """Unbiased random-k (decoded values x n/k) would grow its residual by (n/k - 1) ||x||^2 a round:
+    compress keeps none for it, as for error_feedback=False; unscaled random-k keeps one."""
+    u = base_update()
+    for spec in ("randomk(ratio=0.1,rescale=true)", "name~*bias: topk(ratio=0.2); randomk(ratio=0.1,rescale=true)"):
+        codec = build_codec(spec)
+        enc, residual = compress(codec, u, _residual_like(u), nonce=4)
+        off, _ = compress(codec, u, None, nonce=4, error_feedback=False)
+        kept = {n for n in u if u[n].is_floating_point() and "bias" in n} if ";" in spec else set()
+        assert set(residual) == kept and codec.takes_error_feedback == bool(kept)
+        if not kept:
+            assert enc.payload == off.payload  # the given residual was not added either
+    _, residual = compress(build_codec("randomk(ratio=0.1)"), u, None, nonce=4)
+    assert residual and all(float(r.norm()) > 0 for r in residual.values())
 
 
 def test_residual_is_added_before_encoding():

@@ -309,7 +309,11 @@ def _flwr_warnings():
     ("qsgd(bits=4)", 0.5, False),  # unbiased
     ("kbit(bits=4)", 0.5, False),  # dense 4 bit: a small residual (measured within 1 point)
     ("twobit()", 0.5, False),  # threshold 0.001: measured within 2 points cross-device
-    ("sign()", 0.5, True),  # 1 bit: -3.7 points cross-device (5 seeds)
+    ("sign(scale='mean')", 0.5, True),  # 1 bit, mean |x| scale: -3.7 points cross-device (5 seeds)
+    ("sign()", 0.5, False),  # cross-device default scale 'rms': held
+    ("powersgd()", 0.5, False),  # cross-device default rank 8: held
+    ("threshold()", 0.5, False),  # Strom's static threshold: measured within 2 points cross-device
+    ("randomk()", 0.5, False),  # cross-device default: a tenth, rescaled (unbiased, no residual)
     ("sketch(rows=1,cols=400)", 0.5, False),  # FetchSGD: the error lives on the server
 ])
 def test_biased_upload_with_partial_participation_warns_once(upload, fraction, warned):
