@@ -86,6 +86,8 @@ def table(path: Path = OUT) -> str:
                                     for r in mine)
             finite = all(x["finite"] for r in mine for x in r["rounds"])
             shown = "dense" if spec == DENSE else mine[-1]["upload"] + (" ef=off" if spec.endswith(" ef=off") else "")
+            if spec.endswith("()") and mine[-1]["upload"] != spec:  # a default resolved for the regime
+                shown = f"{spec}` as `{mine[-1]['upload']}"
             lines.append(f"| {family} | `{shown}` | {acc:.2f} | {base:.2f} | {acc - base:+.2f} | {ratio:.1f} | "
                          f"{len(mine)} | {'yes' if finite else 'NO'} |")
         for r in rows:

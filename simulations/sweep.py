@@ -54,7 +54,7 @@ DEFAULT_RUNS: tuple[tuple[str, bool], ...] = (
     ("topk(ratio=0.002)+sign()", True),
     ("topk(ratio=0.001)+sign()", True),
     ("topk(ratio=0.0005)+sign()", True),
-    ("randomk(ratio=0.01)", True),
+    ("randomk(ratio=0.01,rescale=false)", True),
     ("threshold(ratio=0.002)", True),
     ("dgc(ratio=0.001)+qsgd(bits=4)", True),
     ("powersgd(rank=2)", True),

@@ -60,7 +60,7 @@ DEFAULTS: dict[str, dict] = {
     "terngrad": {"clip": 2.5},
     "topk": {"ratio": 0.01, "scope": "global", "index": "rice"},
     "threshold": {"tau": 1e-3, "ratio": 0.0, "mode": "abs", "sample": 0.01, "scope": "global", "index": "rice"},
-    "randomk": {"ratio": 0.01, "scope": "global", "rescale": False},
+    "randomk": {"ratio": 0.1, "scope": "global", "rescale": True},
     "dgc": {"ratio": 0.01, "momentum": 0.9, "clip": 0.0, "warmup": 0, "sample": 0.01, "index": "rice"},
     "powersgd": {"rank": 2, "min_compression": 2.0, "seed": 0},
     "sketch": {"rows": 1, "cols": 0, "ratio": 0.02, "seed": 0},  # cols 0: from the segment (README)
@@ -141,7 +141,7 @@ CASES = [
     C("topk-tensor-rice", ("topk", {"ratio": 0.1, "scope": "tensor"})),
     C("topk-tensor-fixed", ("topk", {"ratio": 0.1, "scope": "tensor", "index": "fixed"})),
     C("topk-default", ("topk", {})),
-    C("randomk-global", ("randomk", {"ratio": 0.1})),
+    C("randomk-global", ("randomk", {"ratio": 0.1, "rescale": False})),
     C("randomk-rescale", ("randomk", {"ratio": 0.1, "rescale": True})),
     C("randomk-tensor-rescale", ("randomk", {"ratio": 0.2, "scope": "tensor", "rescale": True})),
     C("threshold-rice", ("threshold", {"tau": 0.05})),
@@ -312,8 +312,7 @@ def test_cross_device_spec_fills_only_what_the_spec_leaves_out():
     assert fedcomp.cross_device_spec("topk()+qsgd(bits=4)").startswith("topk(ratio=0.1,")
     assert fedcomp.cross_device_spec("topk(scope='tensor')") == "topk(ratio=0.1,scope='tensor',index='rice')"
     assert fedcomp.cross_device_spec("sign(block=64)") == "sign(block=64,scale='rms')"
-    assert fedcomp.cross_device_spec("randomk()") == "randomk(ratio=0.1,scope='global',rescale=True)"
-    assert fedcomp.cross_device_spec("randomk(ratio=0.01)") == "randomk(ratio=0.01)"  # a set: all or none
+    assert fedcomp.cross_device_spec("dgc(ratio=0.01)") == "dgc(ratio=0.01)"  # written: stands
     assert build_codec("sign(scale='mean')").spec == "sign(block=0)"  # the default scale keeps the old spec
     for written in ("topk(ratio=0.01)", "qsgd(bits=4)", "sketch()", "none()", "sign(scale='mean')"):
         assert fedcomp.cross_device_spec(written) == written  # written arguments and stages without any stay

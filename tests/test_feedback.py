@@ -33,13 +33,13 @@ LOSSY = [
     "terngrad(clip=0)",
     "topk(ratio=0.05)",
     "topk(ratio=0.1, scope='tensor', index='fixed')",
-    "randomk(ratio=0.1)",
-    "randomk(ratio=0.1, rescale=true)",
+    "randomk(ratio=0.1, rescale=false)",
+    "randomk(ratio=0.1)",  # rescaled (the default): no residual
     "threshold(tau=0.05)",
     "threshold(tau=0.05)+fp16",
     "topk(ratio=0.05)+qsgd(bits=4)",
     "topk(ratio=0.05, scope='tensor')+kbit(bits=4, block=16)",
-    "randomk(ratio=0.1)+sign",
+    "randomk(ratio=0.1, rescale=false)+sign",
     "threshold(ratio=0.05)",
     "threshold(ratio=0.1, mode='signed', scope='tensor')+fp16",
     "dgc(ratio=0.05)",
@@ -212,7 +212,7 @@ def test_rescaled_randomk_takes_no_error_feedback_alone_or_in_a_policy():
         assert set(residual) == kept and codec.takes_error_feedback == bool(kept)
         if not kept:
             assert enc.payload == off.payload  # the given residual was not added either
-    _, residual = compress(build_codec("randomk(ratio=0.1)"), u, None, nonce=4)
+    _, residual = compress(build_codec("randomk(ratio=0.1,rescale=false)"), u, None, nonce=4)
     assert residual and all(float(r.norm()) > 0 for r in residual.values())
 
 

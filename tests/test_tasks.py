@@ -315,7 +315,7 @@ def _bn_update(glob, pid, rnd):
 
 
 CODEC_FAMILIES = [  # (upload, aggregation, error feedback, breaks the statistics without exact state)
-    ("randomk(ratio=0.01)", "decode", True, True),
+    ("randomk(ratio=0.01,rescale=false)", "decode", True, True),
     ("topk(ratio=0.01)+qsgd(bits=4)", "decode", True, True),
     ("dgc(ratio=0.001)+qsgd(bits=4)", "decode", True, True),
     ("sketch(rows=1,cols=400,ratio=0.05)", "sketch", False, True),  # FetchSGD
