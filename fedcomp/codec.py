@@ -364,12 +364,11 @@ def _build_stage(name: str, args: dict):
 def cross_device_spec(spec: str) -> str:
     """``spec`` with each stage's ``cross_device`` defaults (see :mod:`fedcomp.base`), canonical;
     ``spec`` itself when no stage takes any. A stage takes them as a set, where the spec writes none
-    of them (``randomk(ratio=0.01)`` stays unscaled: the rescale belongs to the cross-device ratio).
+    of them: ``topk()`` becomes ``topk(ratio=0.1,...)``, ``topk(ratio=0.01)`` stays as written.
 
     For runs where each client takes part now and then (cross-device): what a biased codec keeps
     on the client is many rounds stale when its client comes back, and the defaults for
-    every-round participation lose several points there (README, "Cross-device settings").
-    ``topk()`` becomes ``topk(ratio=0.1,...)``; ``topk(ratio=0.01)`` stays as written.
+    every-round participation lose several points there (README, "Cross-device defaults").
     """
     stages = parse_spec(spec)
     filled = []

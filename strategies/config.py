@@ -187,8 +187,8 @@ class CompressionConfig:
 
     @property
     def regime_dependent(self) -> bool:
-        """Whether the upload is an explicit spec whose codec has cross-device defaults for arguments
-        it leaves out (resolved at the first training round, like ``"auto"``)."""
+        """Whether the upload is an explicit spec that takes cross-device defaults (it writes none of a
+        stage's :func:`fedcomp.cross_device_spec` set); resolved at the first training round, like ``"auto"``."""
         return (self.upload != AUTO and not is_policy(self.upload)
                 and fedcomp.cross_device_spec(self.upload) != self.upload)
 
@@ -202,8 +202,8 @@ class CompressionConfig:
         update or normalizes it per coordinate (robust aggregators, QFedAvg, FedAdam...);
         ``statistics``: the model has running statistics (BatchNorm) that must travel exact
         (``exact_statistics``): cross-device gets dense ``qsgd(bits=4)`` (module docstring).
-        An explicit upload spec in cross-device takes its codec's cross-device defaults for the
-        arguments it leaves out (:func:`fedcomp.cross_device_spec`: ``topk()`` keeps a tenth);
+        An explicit upload spec in cross-device takes its codec's cross-device defaults where it
+        writes none of them (:func:`fedcomp.cross_device_spec`: ``topk()`` keeps a tenth);
         otherwise a config without ``"auto"`` comes back as is.
         """
         if not self.auto and not (partial and self.regime_dependent):
