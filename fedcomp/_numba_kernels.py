@@ -33,6 +33,16 @@ def _fma(typingctx, a, b, c):
     return sig, codegen
 
 
+@intrinsic
+def _f32_bits(typingctx, v):
+    """The fp32 whose bits are the int32 ``v``."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return sig, codegen
+
+
 # -- codes -------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
 def unpack(data, count, bits, out):
@@ -285,11 +295,17 @@ _U24 = _F32(2.0 ** -24)
 
 
 @njit(inline="always")
-def _u24(k0, k1, i):
-    """u_i of the stream of key (k0, k1) (uint32 each; i: int64): see :mod:`fedcomp.uniforms`.
-    Every step is truncated to uint32 (numba widens integer arithmetic); the loop vectorizes
-    with 32-bit multiplies (AVX2 has no 64-bit one)."""
-    h = np.uint32(np.uint32(k0 + np.uint32(i) * _G) ^ np.uint32(k1 + np.uint32(i >> 32) * _G))
+def _base(k0, i0):
+    """uint32(k0 + i0 * G): the Weyl term of element i0, from which _u24 counts j."""
+    return np.uint32(k0 + np.uint32(i0 & 0xFFFFFFFF) * _G)
+
+
+@njit(inline="always")
+def _u24(base, k1, j):
+    """u_(i0 + j) of the stream of key (k0, k1), base = _base(k0, i0) (uint32 each): see
+    :mod:`fedcomp.uniforms`. Every step is truncated to uint32 (numba widens integer
+    arithmetic); loops over j vectorize with 32-bit multiplies (AVX2 has no 64-bit one)."""
+    h = np.uint32(np.uint32(base + np.uint32(j) * _G) ^ k1)
     h = np.uint32(h ^ (h >> 16))
     h = np.uint32(h * _A)
     h = np.uint32(h ^ (h >> 15))
@@ -301,8 +317,9 @@ def _u24(k0, k1, i):
 @njit(cache=True, nogil=True)
 def uniforms(k0, k1, start, out):
     """out[j] = u_(start + j) (tests compare it with uniforms.fill)."""
+    base = _base(k0, start)
     for j in range(out.shape[0]):
-        out[j] = _u24(k0, k1, start + j)
+        out[j] = _u24(base, k1, j)
 
 
 @njit(cache=True, nogil=True)
@@ -331,9 +348,9 @@ def kbit_codes(x, size, levels, stochastic, k0, k1, start, params, codes):
         safe = scale if scale > 0 else _F32(1.0)
         c = codes[a:e]
         if stochastic:
-            i0 = start + a
+            base = _base(k0, start + a)
             for j in range(e - a):
-                t = np.floor((blk[j] - mn) / safe + _u24(k0, k1, i0 + j))
+                t = np.floor((blk[j] - mn) / safe + _u24(base, k1, j))
                 c[j] = np.uint8(min(max(t, _F32(0.0)), lv))
         else:
             for j in range(e - a):
@@ -342,12 +359,15 @@ def kbit_codes(x, size, levels, stochastic, k0, k1, start, params, codes):
     return True
 
 
-@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
-def _absmax(v):
-    nm = _F32(0.0)
-    for j in range(v.shape[0]):
-        nm = max(nm, abs(v[j]))
-    return nm
+@njit(cache=True, nogil=True)
+def _absbits(b):
+    """max over j of (bits of |v_j|), ``b`` the int32 view of fp32 values: one vectorized integer
+    pass for both max |v| (non-negative floats order as their bits) and finiteness (the result is
+    below 0x7F800000, the bits of inf, exactly when every value is finite)."""
+    mx = np.int32(0)
+    for j in range(b.shape[0]):
+        mx = max(mx, b[j] & np.int32(0x7FFFFFFF))
+    return mx
 
 
 @njit(cache=True, nogil=True)
@@ -359,14 +379,16 @@ def qsgd_codes(x, size, levels, top, use_max, norms, k0, k1, start, codes):
     m = x.shape[0]
     nb = (m + size - 1) // size
     s = _F32(levels)
+    xb = x.view(np.int32)
     for b in range(nb):
         a = b * size
         e = min(m, a + size)
         blk = x[a:e]
-        if not _finite(blk):
+        bits = _absbits(xb[a:e])
+        if bits >= 0x7F800000:
             return False
         if use_max:
-            nm = _absmax(blk)
+            nm = _f32_bits(bits)
             norms[b] = nm
         else:
             nm = norms[b]
@@ -374,10 +396,10 @@ def qsgd_codes(x, size, levels, top, use_max, norms, k0, k1, start, codes):
             return False
         r = s / (nm if nm > 0 else _F32(1.0))
         c = codes[a:e]
-        i0 = start + a
+        base = _base(k0, start + a)
         for j in range(e - a):
             v = blk[j]
-            t = np.floor(abs(v) * r + _u24(k0, k1, i0 + j))
+            t = np.floor(abs(v) * r + _u24(base, k1, j))
             lvl = np.uint8(min(max(t, _F32(0.0)), s))
             c[j] = lvl | (np.uint8(1 << top) if v < 0 else np.uint8(0))
     return True
@@ -451,20 +473,24 @@ def _qsums(v, sc):
 
 
 @njit(cache=True, nogil=True)
-def tern_stats(x, block, qbits, amax, s1, s2, ks):
-    """Per block of ``block`` elements (<= 2**16): amax[b] = max |x|, and the exact integer sums
-    s1[b] = sum q, s2[b] = sum q^2 of q = rint(x * 2**ks[b]), ks[b] chosen so that |q| <= 2**qbits
-    (qbits <= 20) (TernGrad's std: ``quantizers._tern_std``). False where a value is not finite."""
+def tern_stats(x, block, qbits, sums, amax, s1, s2, ks):
+    """Per block of ``block`` elements (<= 2**16): amax[b] = max |x|, and (``sums``) the exact
+    integer sums s1[b] = sum q, s2[b] = sum q^2 of q = rint(x * 2**ks[b]), ks[b] chosen so that
+    |q| <= 2**qbits (qbits <= 20) (TernGrad's std: ``quantizers._tern_std``). False where a value
+    is not finite."""
     m = x.shape[0]
     nb = (m + block - 1) // block
+    xb = x.view(np.int32)
     for b in range(nb):
         a = b * block
         e = min(m, a + block)
-        blk = x[a:e]
-        if not _finite(blk):
+        bits = _absbits(xb[a:e])
+        if bits >= 0x7F800000:
             return False
-        nm = _absmax(blk)
+        nm = _f32_bits(bits)
         amax[b] = nm
+        if not sums:
+            continue
         k = 0
         if nm > 0:
             k = qbits - math.frexp(np.float64(nm))[1]
@@ -485,8 +511,9 @@ def tern_stats(x, block, qbits, amax, s1, s2, ks):
 def tern_codes(x, s, bound, clip, k0, k1, start, codes):
     """TernGrad codes: a = min(|x|, bound) (``clip``) or |x|; 1 (+s) or 2 (-s, x < 0) where
     u_i * s < a, else 0; fp32 operations as the torch path's (finite x only)."""
+    base = _base(k0, start)
     for j in range(x.shape[0]):
         v = x[j]
         a = min(abs(v), bound) if clip else abs(v)
-        keep = _u24(k0, k1, start + j) * s < a
+        keep = _u24(base, k1, j) * s < a
         codes[j] = (np.uint8(2) if v < 0 else np.uint8(1)) if keep else np.uint8(0)

@@ -1003,7 +1003,7 @@ def _tern_stats_kernel(x: torch.Tensor, clip: bool, k):
     nb = -(-m // _STD_BLOCK)
     amax = np.empty(nb, dtype=np.float32)
     s1, s2, ks = np.empty(nb, dtype=np.int64), np.empty(nb, dtype=np.int64), np.empty(nb, dtype=np.int64)
-    if not k.tern_stats(x.numpy(), _STD_BLOCK, _STD_QBITS, amax, s1, s2, ks):
+    if not k.tern_stats(x.numpy(), _STD_BLOCK, _STD_QBITS, clip, amax, s1, s2, ks):
         return None
     return amax.max(), (_tern_std(m, ks, s1, s2) if clip else None)
 

@@ -6,20 +6,22 @@ hash of (key, element index) costs ~1-2 passes inside a fused loop and needs no 
 The key is drawn once per encoded segment from the caller's generator, so a seeded run stays
 reproducible and every (node, round, segment) gets its own stream, as before.
 
-The function (all arithmetic mod 2**32; ``key`` = k0 + 2**32 * k1, ``i`` the element's index in
-the segment)::
+The function (all arithmetic mod 2**32; ``key`` = (k0, k1), two 32-bit words; ``i`` the
+element's index in the segment)::
 
-    h = ((k0 + lo32(i) * G) mod 2**32) xor ((k1 + (i >> 32) * G) mod 2**32)     G = 0x9E3779B9
+    h = (k0 + i * G) xor k1                                                      G = 0x9E3779B9
     h = lowbias32(h)     # h ^= h >> 16; h *= 0x7FEB352D; h ^= h >> 15; h *= 0x846CA68B; h ^= h >> 16
     u_i = (h >> 8) / 2**24                                                       # in [0, 1), 24 bits
 
 A Weyl sequence through a bijective 32-bit mixer (Wellons' ``lowbias32``), 32-bit rather than
-splitmix64's 64-bit arithmetic because AVX2 has no 64-bit vector multiply (measured: the 64-bit
-mixer alone 4.6 read passes, this one ~2). Streams of different keys are different (not only
-shifted) sequences: k1 enters after the Weyl step. u_i is a multiple of 2**-24, as an fp32
-``torch.rand`` value is. The fused CPU loops (:mod:`fedcomp._numba_kernels`, ``_u24``) and
-:func:`fill` (torch int64 ops: CUDA tensors, no numba, ``FEDCOMP_KERNELS=0``) give the same bits,
-so a payload's bytes do not depend on which path encoded it.
+splitmix64's 64-bit arithmetic because AVX2 has no 64-bit vector multiply (measured on this
+project's machine: the 64-bit mixer alone 4.6 read passes, this one ~2). k1 enters after the Weyl
+step, so streams of different keys are different sequences, not shifts of one. The stream
+repeats after 2**32 elements of one segment (16 GB of fp32; no update is that large). u_i is a
+multiple of 2**-24, as an fp32 ``torch.rand`` value is. The fused CPU loops
+(:mod:`fedcomp._numba_kernels`, ``_u24``) and :func:`fill` (torch int32 ops: CUDA tensors, no
+numba, ``FEDCOMP_KERNELS=0``) give the same bits, so a payload's bytes do not depend on which
+path encoded it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def draw_key(gen: torch.Generator | None, device: torch.device) -> tuple[int, in
 def reference(key: tuple[int, int], i: int) -> float:
     """u_i in plain Python (the definition; for tests)."""
     k0, k1 = key
-    h = ((k0 + (i & M32) * G) & M32) ^ ((k1 + (i >> 32) * G) & M32)
+    h = ((k0 + i * G) & M32) ^ k1
     h ^= h >> 16
     h = (h * A) & M32
     h ^= h >> 15
@@ -54,26 +56,21 @@ def reference(key: tuple[int, int], i: int) -> float:
 
 
 def fill(key: tuple[int, int], start: int, out: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
-    """out[j] = u_(start + j) (``out``: fp32, any device) with torch integer ops. ``work``: a
+    """out[j] = u_(start + j) (``out``: fp32, any device) with torch int32 ops. ``work``: a
     reused int32 buffer of at least 2 * len(out) elements on out's device (fresh temporaries
     cost more in page faults than the arithmetic).
 
     uint32 arithmetic in int32 tensors: products and sums wrap mod 2**32 (two's complement), and
-    right shifts are masked to act as logical shifts (torch's >> is arithmetic). Indices past
-    2**31 take an int64 variant (values held below 2**32, masked after each multiply)."""
+    right shifts are masked to act as logical shifts (torch's >> is arithmetic)."""
     n = out.numel()
     if n == 0:
         return out
     k0, k1 = key
-    lo = start & M32
-    if start >> 32 != (start + n - 1) >> 32 or lo + n > 1 << 31:
-        return _fill64(key, start, out)
     if work is None or work.numel() < 2 * n or work.dtype != torch.int32:
         work = torch.empty(2 * n, dtype=torch.int32, device=out.device)
     h, t = work[:n], work[n:2 * n]
-    torch.arange(lo, lo + n, dtype=torch.int32, device=out.device, out=h)
-    hi = (k1 + (start >> 32) * G) & M32
-    h.mul_(_s32(G)).add_(_s32(k0)).bitwise_xor_(_s32(hi))
+    torch.arange(0, n, dtype=torch.int32, device=out.device, out=h)
+    h.mul_(_s32(G)).add_(_s32((k0 + start * G) & M32)).bitwise_xor_(_s32(k1))  # k0 + (start + j) G
     for shift, mul in ((16, A), (15, B), (16, None)):
         torch.bitwise_right_shift(h, shift, out=t).bitwise_and_(M32 >> shift)
         h.bitwise_xor_(t)
@@ -86,19 +83,3 @@ def fill(key: tuple[int, int], start: int, out: torch.Tensor, work: torch.Tensor
 def _s32(v: int) -> int:
     """A uint32 as the int32 with its bits."""
     return v - (1 << 32) if v >= 1 << 31 else v
-
-
-def _fill64(key: tuple[int, int], start: int, out: torch.Tensor) -> torch.Tensor:
-    """:func:`fill` in int64 tensors, for any index (fresh temporaries: rare)."""
-    n = out.numel()
-    k0, k1 = key
-    h = torch.arange(start, start + n, dtype=torch.int64, device=out.device)
-    hi = torch.bitwise_right_shift(h, 32).mul_(G).add_(k1).bitwise_and_(M32)
-    h.bitwise_and_(M32).mul_(G).add_(k0).bitwise_and_(M32).bitwise_xor_(hi)
-    t = hi
-    for shift, mul in ((16, A), (15, B), (16, None)):
-        h.bitwise_xor_(torch.bitwise_right_shift(h, shift, out=t))
-        if mul is not None:
-            h.mul_(mul).bitwise_and_(M32)
-    h.bitwise_right_shift_(8)
-    return out.copy_(h).mul_(SCALE)
