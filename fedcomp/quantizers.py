@@ -990,9 +990,10 @@ def _tern_std(n: int, ks, s1, s2) -> float:
     encode), and a float sum's last bits depend on its order, so a fused loop could not give
     torch's bits. The rounding to 20 bits of each block's max moves the std by about
     2**-21 * max|x| / std relative: ~1e-5 for a 25M-element update whose max is 5 std."""
-    top = max(int(k) for k in ks)
-    a = sum(int(v) << (top - int(k)) for v, k in zip(s1, ks))
-    b = sum(int(v) << 2 * (top - int(k)) for v, k in zip(s2, ks))
+    ks, s1, s2 = (v.tolist() if isinstance(v, np.ndarray) else v for v in (ks, s1, s2))
+    top = max(ks)
+    a = sum(v << (top - k) for v, k in zip(s1, ks))
+    b = sum(v << 2 * (top - k) for v, k in zip(s2, ks))
     var = (n * b - a * a) / (n * (n - 1))
     return math.ldexp(math.sqrt(var), -top)
 
@@ -1025,9 +1026,9 @@ def _tern_stats_torch(x: torch.Tensor, clip: bool):
         kk = [_STD_QBITS - e if a > 0 else 0 for e, a in zip(exp, amax.tolist())]
         scale = torch.tensor([math.ldexp(1.0, v) for v in kk], dtype=torch.float64, device=x.device)
         q = torch.round(rows.double() * scale[:, None])  # exact: a power-of-2 scale in float64
-        ks += kk
-        s1 += q.sum(dim=1).tolist()  # exact in any order: |sum| <= 2**36
         qi = q.to(torch.int64)
+        ks += kk
+        s1 += qi.sum(dim=1).tolist()
         s2 += (qi * qi).sum(dim=1).tolist()
     a = np.float32(torch.cat(amaxes).amax().item())
     if not clip:
@@ -1095,12 +1096,14 @@ class TernGrad(Quantizer):
             k = None
             stats = _tern_stats_torch(x, clip)
         amax, bound = stats
-        with np.errstate(invalid="ignore", over="ignore"):
-            bound32 = np.float32(np.float32(self.config.clip) * np.float32(bound)) if clip else np.float32(np.inf)
-            s32 = np.minimum(amax, bound32)
+        s32, bound32 = amax, np.float32(np.inf)
+        if clip:
+            with np.errstate(invalid="ignore", over="ignore"):  # std past fp32's range: inf
+                bound32 = np.float32(np.float32(self.config.clip) * np.float32(bound))
+                s32 = np.minimum(amax, bound32)
         packed = torch.empty(packed_bytes(m, 2), dtype=torch.uint8, device=x.device)
         step = min(m, max(4, _ENCODE_CHUNK // 4 * 4))  # a multiple of 4 codes: chunks end on a byte
-        s_t = torch.tensor([s32], dtype=torch.float32, device=x.device)
+        s_t = torch.from_numpy(np.array([s32], dtype=np.float32)).to(x.device)
         if k is not None:
             k0, k1 = _key32(key)
             codes = kernels.scratch(step, np.uint8)
