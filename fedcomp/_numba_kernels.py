@@ -374,7 +374,7 @@ def _absbits(b):
 def qsgd_codes(x, size, levels, top, use_max, norms, k0, k1, start, codes):
     """QSGD.write for one chunk (``start``: its first element's index in the segment): per bucket
     the norm (max |x|, or ``norms`` given), r = fp32(levels / norm), level = clamp(floor(|x| * r
-    + u_i), 0, levels), code = level | (x < 0) << top. ``norms`` is written (max) or read (l2).
+    + u_i), 0, levels) (|x| * levels / norm where r overflows), code = level | (x < 0) << top. ``norms`` is written (max) or read (l2).
     False where a value or norm is not finite (the torch path takes it)."""
     m = x.shape[0]
     nb = (m + size - 1) // size
@@ -394,9 +394,17 @@ def qsgd_codes(x, size, levels, top, use_max, norms, k0, k1, start, codes):
             nm = norms[b]
         if not np.isfinite(nm):
             return False
-        r = s / (nm if nm > 0 else _F32(1.0))
+        safe = nm if nm > 0 else _F32(1.0)
+        r = s / safe
         c = codes[a:e]
         base = _base(k0, start + a)
+        if np.isinf(r):  # a norm below levels / fp32's max: |x| * levels / norm, as QSGD._ratio
+            for j in range(e - a):
+                v = blk[j]
+                t = np.floor(abs(v) * s / safe + _u24(base, k1, j))
+                lvl = np.uint8(min(max(t, _F32(0.0)), s))
+                c[j] = lvl | (np.uint8(1 << top) if v < 0 else np.uint8(0))
+            continue
         for j in range(e - a):
             v = blk[j]
             t = np.floor(abs(v) * r + _u24(base, k1, j))

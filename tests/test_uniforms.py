@@ -93,6 +93,15 @@ def test_terngrad_std_is_torchs_to_its_precision(monkeypatch):
                 assert quantizers._tern_stats_kernel(x, True, kernels.get()) == (amax, std)
 
 
+def test_qsgd_of_a_subnormal_bucket_with_zeros_decodes_finite():
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(9)) * 1e-40
+    x[::7] = 0.0
+    q = fedcomp.build_codec("qsgd(bits=4)").quantizer
+    y = q.encode(x, Writer(), torch.Generator().manual_seed(2))
+    assert bool(torch.isfinite(y).all()) and bool((y[::7] == 0).all())
+    assert float((y - x).abs().max()) <= float(x.abs().max()) / 7 * 1.0001  # within one level
+
+
 def test_terngrad_scale_is_the_clipped_max_and_codes_follow_the_bound():
     x = torch.randn(50_000, generator=torch.Generator().manual_seed(6))
     x[7] = 40.0  # far past 2.5 std: clipped
