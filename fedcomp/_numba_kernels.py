@@ -9,6 +9,8 @@ as the torch path does it (no fast-math: each product and sum is rounded, nothin
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -28,6 +30,16 @@ def _fma(typingctx, a, b, c):
         double = ir.DoubleType()
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(double, [double] * 3), "llvm.fma.f64")
         return builder.call(fma, args)
+    return sig, codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, v):
+    """The fp32 whose bits are the int32 ``v``."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
     return sig, codegen
 
 
@@ -275,13 +287,49 @@ def _finite(v):
     return z == 0
 
 
+# -- counter-based uniforms (fedcomp.uniforms): u_i = hash(key, i), the bits of uniforms.fill ----
+_G = np.uint32(0x9E3779B9)
+_A = np.uint32(0x7FEB352D)
+_B = np.uint32(0x846CA68B)
+_U24 = _F32(2.0 ** -24)
+
+
+@njit(inline="always")
+def _base(k0, i0):
+    """uint32(k0 + i0 * G): the Weyl term of element i0, from which _u24 counts j."""
+    return np.uint32(k0 + np.uint32(i0 & 0xFFFFFFFF) * _G)
+
+
+@njit(inline="always")
+def _u24(base, k1, j):
+    """u_(i0 + j) of the stream of key (k0, k1), base = _base(k0, i0) (uint32 each): see
+    :mod:`fedcomp.uniforms`. Every step is truncated to uint32 (numba widens integer
+    arithmetic); loops over j vectorize with 32-bit multiplies (AVX2 has no 64-bit one)."""
+    h = np.uint32(np.uint32(base + np.uint32(j) * _G) ^ k1)
+    h = np.uint32(h ^ (h >> 16))
+    h = np.uint32(h * _A)
+    h = np.uint32(h ^ (h >> 15))
+    h = np.uint32(h * _B)
+    h = np.uint32(h ^ (h >> 16))
+    return _F32(np.int32(h >> 8)) * _U24
+
+
 @njit(cache=True, nogil=True)
-def kbit_codes(x, size, levels, u, stochastic, params, codes):
-    """KBit.write for one chunk (whole blocks from a block boundary): per block lo = min, scale =
-    (max - min) / levels, code = round((x - lo) / scale) (or floor(. + u) with ``u`` the uniforms
-    drawn for the padded rows), clamped to [0, levels]; params[b] = (lo, scale). fp32 operations
-    in torch's order. False (the caller's torch path takes the chunk) where a value is not
-    finite, or a block's min or max is a zero (whose sign torch's reduction picks)."""
+def uniforms(k0, k1, start, out):
+    """out[j] = u_(start + j) (tests compare it with uniforms.fill)."""
+    base = _base(k0, start)
+    for j in range(out.shape[0]):
+        out[j] = _u24(base, k1, j)
+
+
+@njit(cache=True, nogil=True)
+def kbit_codes(x, size, levels, stochastic, k0, k1, start, params, codes):
+    """KBit.write for one chunk (whole blocks from a block boundary; ``start``: the chunk's first
+    element's index in the segment): per block lo = min, scale = (max - min) / levels, code =
+    round((x - lo) / scale) (or floor(. + u_i), u_i the counter-based uniform of element i),
+    clamped to [0, levels]; params[b] = (lo, scale). fp32 operations in torch's order. False (the
+    caller's torch path takes the chunk) where a value is not finite, or a block's min or max is
+    a zero (whose sign torch's reduction picks)."""
     m = x.shape[0]
     nb = (m + size - 1) // size
     lv = _F32(levels)
@@ -300,9 +348,9 @@ def kbit_codes(x, size, levels, u, stochastic, params, codes):
         safe = scale if scale > 0 else _F32(1.0)
         c = codes[a:e]
         if stochastic:
-            ub = u[a:e]
+            base = _base(k0, start + a)
             for j in range(e - a):
-                t = np.floor((blk[j] - mn) / safe + ub[j])
+                t = np.floor((blk[j] - mn) / safe + _u24(base, k1, j))
                 c[j] = np.uint8(min(max(t, _F32(0.0)), lv))
         else:
             for j in range(e - a):
@@ -311,41 +359,55 @@ def kbit_codes(x, size, levels, u, stochastic, params, codes):
     return True
 
 
-@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
-def _absmax(v):
-    nm = _F32(0.0)
-    for j in range(v.shape[0]):
-        nm = max(nm, abs(v[j]))
-    return nm
+@njit(cache=True, nogil=True)
+def _absbits(b):
+    """max over j of (bits of |v_j|), ``b`` the int32 view of fp32 values: one vectorized integer
+    pass for both max |v| (non-negative floats order as their bits) and finiteness (the result is
+    below 0x7F800000, the bits of inf, exactly when every value is finite)."""
+    mx = np.int32(0)
+    for j in range(b.shape[0]):
+        mx = max(mx, b[j] & np.int32(0x7FFFFFFF))
+    return mx
 
 
 @njit(cache=True, nogil=True)
-def qsgd_codes(x, size, levels, top, use_max, norms, u, codes):
-    """QSGD.write for one chunk: per bucket the norm (max |x|, or ``norms`` given), level =
-    clamp(floor(|x| * s / norm + u), 0, s), code = level | (x < 0) << top. ``norms`` is written
-    (max) or read (l2). False where a value or norm is not finite (the torch path takes it)."""
+def qsgd_codes(x, size, levels, top, use_max, norms, k0, k1, start, codes):
+    """QSGD.write for one chunk (``start``: its first element's index in the segment): per bucket
+    the norm (max |x|, or ``norms`` given), r = fp32(levels / norm), level = clamp(floor(|x| * r
+    + u_i), 0, levels) (|x| * levels / norm where r overflows), code = level | (x < 0) << top. ``norms`` is written (max) or read (l2).
+    False where a value or norm is not finite (the torch path takes it)."""
     m = x.shape[0]
     nb = (m + size - 1) // size
     s = _F32(levels)
+    xb = x.view(np.int32)
     for b in range(nb):
         a = b * size
         e = min(m, a + size)
         blk = x[a:e]
-        if not _finite(blk):
+        bits = _absbits(xb[a:e])
+        if bits >= 0x7F800000:
             return False
         if use_max:
-            nm = _absmax(blk)
+            nm = _f32_bits(bits)
             norms[b] = nm
         else:
             nm = norms[b]
         if not np.isfinite(nm):
             return False
         safe = nm if nm > 0 else _F32(1.0)
-        ub = u[a:e]
+        r = s / safe
         c = codes[a:e]
+        base = _base(k0, start + a)
+        if np.isinf(r):  # a norm below levels / fp32's max: |x| * levels / norm, as QSGD._ratio
+            for j in range(e - a):
+                v = blk[j]
+                t = np.floor(abs(v) * s / safe + _u24(base, k1, j))
+                lvl = np.uint8(min(max(t, _F32(0.0)), s))
+                c[j] = lvl | (np.uint8(1 << top) if v < 0 else np.uint8(0))
+            continue
         for j in range(e - a):
             v = blk[j]
-            t = np.floor(abs(v) * s / safe + ub[j])
+            t = np.floor(abs(v) * r + _u24(base, k1, j))
             lvl = np.uint8(min(max(t, _F32(0.0)), s))
             c[j] = lvl | (np.uint8(1 << top) if v < 0 else np.uint8(0))
     return True
@@ -401,3 +463,65 @@ def twobit_codes(x, t, codes):
     for j in range(x.shape[0]):
         v = x[j]
         codes[j] = 3 if v >= t else (2 if v <= nt else 0)
+
+
+# -- terngrad ----------------------------------------------------------------------------------
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _qsums(v, sc):
+    """(sum q, sum q^2) of q = rint(float64(v) * sc), |q| <= 2**20: float64 sums of integers
+    whose every partial sum stays below 2**53 (len(v) <= 8192) are exact in any order, so the
+    vectorized (reassociated) loop gives the same result as any other."""
+    t1 = 0.0
+    t2 = 0.0
+    for j in range(v.shape[0]):
+        q = np.rint(np.float64(v[j]) * sc)
+        t1 += q
+        t2 += q * q
+    return t1, t2
+
+
+@njit(cache=True, nogil=True)
+def tern_stats(x, block, qbits, sums, amax, s1, s2, ks):
+    """Per block of ``block`` elements (<= 2**16): amax[b] = max |x|, and (``sums``) the exact
+    integer sums s1[b] = sum q, s2[b] = sum q^2 of q = rint(x * 2**ks[b]), ks[b] chosen so that
+    |q| <= 2**qbits (qbits <= 20) (TernGrad's std: ``quantizers._tern_std``). False where a value
+    is not finite."""
+    m = x.shape[0]
+    nb = (m + block - 1) // block
+    xb = x.view(np.int32)
+    for b in range(nb):
+        a = b * block
+        e = min(m, a + block)
+        bits = _absbits(xb[a:e])
+        if bits >= 0x7F800000:
+            return False
+        nm = _f32_bits(bits)
+        amax[b] = nm
+        if not sums:
+            continue
+        k = 0
+        if nm > 0:
+            k = qbits - math.frexp(np.float64(nm))[1]
+        ks[b] = k
+        sc = math.ldexp(1.0, k)
+        t1 = np.int64(0)
+        t2 = np.int64(0)
+        for c in range(a, e, 8192):
+            p1, p2 = _qsums(x[c:min(e, c + 8192)], sc)
+            t1 += np.int64(p1)
+            t2 += np.int64(p2)
+        s1[b] = t1
+        s2[b] = t2
+    return True
+
+
+@njit(cache=True, nogil=True)
+def tern_codes(x, s, bound, clip, k0, k1, start, codes):
+    """TernGrad codes: a = min(|x|, bound) (``clip``) or |x|; 1 (+s) or 2 (-s, x < 0) where
+    u_i * s < a, else 0; fp32 operations as the torch path's (finite x only)."""
+    base = _base(k0, start)
+    for j in range(x.shape[0]):
+        v = x[j]
+        a = min(abs(v), bound) if clip else abs(v)
+        keep = _u24(base, k1, j) * s < a
+        codes[j] = (np.uint8(2) if v < 0 else np.uint8(1)) if keep else np.uint8(0)

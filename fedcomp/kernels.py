@@ -9,8 +9,9 @@ it (fp32 products and sums rounded one by one: numba compiles without fast-math,
 contracted), and ``w * value`` is exact in float64 for integer weights below 2**29, so the sum has
 the same bits too.
 
-The client's blockwise encoders (kbit, qsgd, sign codes) have loops of the same kind
-(:func:`for_encode`), with the same payload bytes as their torch paths.
+The client's encoders (kbit, qsgd, sign, twobit and terngrad codes) have loops of the same kind
+(:func:`for_encode`), with the same payload bytes as their torch paths; stochastic rounding
+generates its uniforms inside the loop from the segment's key (:mod:`fedcomp.uniforms`).
 
 Used only for CPU tensors and only where numba is installed (:func:`get` returns None
 otherwise, or when ``FEDCOMP_KERNELS=0``); every caller keeps its torch path, which CUDA tensors

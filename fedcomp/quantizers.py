@@ -5,13 +5,14 @@ Per-block parameters (scales, minima, norms) are fp32 and precede the packed cod
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedcomp import kernels
+from fedcomp import kernels, uniforms
 from fedcomp.base import Knob, Quantizer, block_size, blocks, register
 from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits, unpack_codes, unpack_flags
 from fedcomp.errors import DecodeError
@@ -102,10 +103,12 @@ def _per_block_(y: torch.Tensor, block: int, mul: torch.Tensor | None, add: torc
 _ENCODE_CHUNK = 1 << 20  # elements per encode step of blockwise quantizers (4 MB of fp32)
 
 
-def _chunked_encode(encode_one, x: torch.Tensor, out: Writer, gen, block: int) -> torch.Tensor:
+def _chunked_encode(encode_one, x: torch.Tensor, out: Writer, key, block: int) -> torch.Tensor:
     """Encode ``x`` in block-aligned chunks of about 1M elements with ``encode_one(chunk, writer,
-    gen) -> decoded chunk``, which writes [per-block parameters, packed codes]; the payload holds
-    all parameters, then all codes, exactly as one call over ``x`` would lay them out.
+    key, start) -> decoded chunk``, which writes [per-block parameters, packed codes]; the payload
+    holds all parameters, then all codes, exactly as one call over ``x`` would lay them out.
+    ``key``: the segment's uniform stream (:mod:`fedcomp.uniforms`; None: deterministic rounding),
+    ``start``: the chunk's first element's index, so the chunking does not change the bytes.
 
     Why: a full-size temporary is a fresh allocation, and on Linux every fresh 4 kB page of it
     faults on first touch (about 8x the cost of writing into reused memory); chunk-sized
@@ -114,16 +117,16 @@ def _chunked_encode(encode_one, x: torch.Tensor, out: Writer, gen, block: int) -
     """
     m = x.numel()
     if block == 0 or m <= _ENCODE_CHUNK:
-        return encode_one(x, out, gen)
+        return encode_one(x, out, key, 0)
     size = block_size(m, block)
     step = max(8, (_ENCODE_CHUNK // size) // 8 * 8) * size
     if m <= step:
-        return encode_one(x, out, gen)
+        return encode_one(x, out, key, 0)
     y = torch.empty(m, dtype=torch.float32, device=x.device)
     params, codes = [], []
     for start in range(0, m, step):
         part = Writer(x.device)
-        y[start:start + step] = encode_one(x[start:start + step], part, gen)
+        y[start:start + step] = encode_one(x[start:start + step], part, key, start)
         params.append(part.parts[0])
         codes.append(part.parts[1])
     out.parts.append(torch.cat(params))
@@ -134,7 +137,7 @@ def _chunked_encode(encode_one, x: torch.Tensor, out: Writer, gen, block: int) -
 def _chunk_step(m: int, block: int) -> int:
     """Elements per encode step: whole blocks, a multiple of 8 of them (codes of any width end on a
     byte boundary), about _ENCODE_CHUNK elements; ``m`` (one step) for block 0 or a small input.
-    The same steps as :func:`_chunked_encode`, so stochastic rounding draws the same numbers."""
+    The same steps as :func:`_chunked_encode`."""
     if block == 0 or m <= _ENCODE_CHUNK:
         return max(m, 1)
     size = block_size(m, block)
@@ -180,6 +183,7 @@ class _BlockWriter:
         self.f32 = torch.empty(step, dtype=torch.float32, device=device)
         self.u8 = torch.empty(step, dtype=torch.uint8, device=device)
         self._u: torch.Tensor | None = None
+        self._work: torch.Tensor | None = None
 
     def chunks(self):
         """(start, stop, first block, stop block) of each step."""
@@ -187,11 +191,13 @@ class _BlockWriter:
             stop = min(self.m, start + self.step)
             yield start, stop, start // self.size, -(-stop // self.size)
 
-    def uniform(self, n: int) -> torch.Tensor:
-        """A reused fp32 buffer for a chunk's uniforms (stochastic rounding)."""
+    def uniform(self, key: tuple[int, int], start: int, n: int) -> torch.Tensor:
+        """u_start .. u_(start + n - 1) of the stream ``key`` (stochastic rounding, torch path) in
+        reused buffers."""
         if self._u is None:
             self._u = torch.empty(self.f32.numel(), dtype=torch.float32, device=self.f32.device)
-        return self._u[:n]
+            self._work = torch.empty(2 * self.f32.numel(), dtype=torch.int32, device=self.f32.device)
+        return uniforms.fill(key, start, self._u[:n], self._work)
 
     def put_host_codes(self, start: int, codes: np.ndarray, k) -> None:
         """Pack uint8 codes (a CPU kernel's) into the code stream at element ``start``."""
@@ -394,8 +400,14 @@ def write_values(quantizer: Quantizer, x: torch.Tensor, out: Writer, gen: torch.
         quantizer.encode(x, out, gen)
 
 
-def _uniform(shape: torch.Size, gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    return torch.rand(shape, generator=gen, device=device)
+def _uniform(key: tuple[int, int], start: int, n: int, device: torch.device) -> torch.Tensor:
+    """u_start .. u_(start + n - 1) of the stream ``key`` (a fresh fp32 tensor)."""
+    return uniforms.fill(key, start, torch.empty(n, dtype=torch.float32, device=device))
+
+
+def _key32(key: tuple[int, int] | None) -> tuple[np.uint32, np.uint32]:
+    """A stream's key as the kernels take it (uint32 scalars; zeros for no stream)."""
+    return (np.uint32(0), np.uint32(0)) if key is None else (np.uint32(key[0]), np.uint32(key[1]))
 
 
 @register
@@ -749,30 +761,35 @@ class KBit(_EntropyCoded, Quantizer):
     def _packed_nbytes(self, count: int) -> int:
         return 8 * blocks(count, self.config.block) + packed_bytes(count, self.config.bits)
 
+    def _key(self, x: torch.Tensor, gen: torch.Generator | None) -> tuple[int, int] | None:
+        """The segment's uniform stream (stochastic rounding only: nearest rounding draws nothing)."""
+        return uniforms.draw_key(gen, x.device) if self.config.stochastic and x.numel() else None
+
+    def _chunked(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        return _chunked_encode(self._encode_one, x, out, self._key(x, gen), self.config.block)
+
     def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
         if self.config.coding == "ans":
-            return self._ans(lambda v, w, g: _chunked_encode(self._encode_one, v, w, g, self.config.block), x, out, gen)
-        return _chunked_encode(self._encode_one, x, out, gen, self.config.block)
+            return self._ans(self._chunked, x, out, gen)
+        return self._chunked(x, out, gen)
 
     def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
         """:meth:`encode`'s bytes without the reconstruction, through reused chunk buffers."""
         if self.config.coding == "ans":
-            self._ans(lambda v, w, g: _chunked_encode(self._encode_one, v, w, g, self.config.block), x, out, gen)
+            self._ans(self._chunked, x, out, gen)
             return
         m, levels = x.numel(), (1 << self.config.bits) - 1
         if m == 0:
             return
         w = _BlockWriter(m, self.config.block, 2, self.config.bits, x.device)
         k = _encode_kernels(x)
+        key = self._key(x, gen)
+        k0, k1 = _key32(key)
         for start, stop, b0, b1 in w.chunks():
-            padded = -(-(stop - start) // w.size) * w.size
-            u = None
-            if self.config.stochastic:  # drawn first, in the padded rows' shape: one stream either path
-                u = torch.rand(padded, generator=gen, device=x.device, out=w.uniform(padded))
             if k is not None:
                 codes = kernels.scratch(stop - start, np.uint8)
-                if k.kbit_codes(x[start:stop].numpy(), w.size, levels, _NO32 if u is None else u.numpy(),
-                                u is not None, w.params[b0:b1].numpy(), codes):
+                if k.kbit_codes(x[start:stop].numpy(), w.size, levels, key is not None, k0, k1, start,
+                                w.params[b0:b1].numpy(), codes):
                     w.put_host_codes(start, codes, k)
                     continue
             rows = _padded_rows(x[start:stop], w.size, fill_first=True)
@@ -782,8 +799,8 @@ class KBit(_EntropyCoded, Quantizer):
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             t = w.f32[:rows.numel()].view(rows.shape)
             torch.sub(rows, lo[:, None], out=t).div_(safe[:, None])
-            if u is not None:
-                t.add_(u.view(t.shape)).floor_()
+            if key is not None:  # the padded rows' uniforms too (past the segment: cut off below)
+                t.add_(w.uniform(key, start, t.numel()).view(t.shape)).floor_()
             else:
                 t.round_()
             q = w.u8[:stop - start]
@@ -791,7 +808,7 @@ class KBit(_EntropyCoded, Quantizer):
             w.put_codes(start, q)
         w.write(out)
 
-    def _encode_one(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+    def _encode_one(self, x: torch.Tensor, out: Writer, key: tuple[int, int] | None, start: int) -> torch.Tensor:
         m, block, levels = x.numel(), self.config.block, (1 << self.config.bits) - 1
         if m == 0:
             return x
@@ -805,7 +822,7 @@ class KBit(_EntropyCoded, Quantizer):
         scale = (hi - lo) / levels
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         t = (rows - lo[:, None]) / safe[:, None]
-        t = torch.floor(t + _uniform(t.shape, gen, x.device)) if self.config.stochastic else torch.round(t)
+        t = torch.floor(t + _uniform(key, start, t.numel(), x.device).view(t.shape)) if key is not None else torch.round(t)
         q = t.clamp_(0, levels).reshape(-1)[:m].to(torch.uint8)
         out.tensor(torch.stack([lo, scale], dim=1))
         out.tensor(pack_bits(q, self.config.bits))
@@ -883,15 +900,19 @@ class QSGD(_EntropyCoded, Quantizer):
     def _packed_nbytes(self, count: int) -> int:
         return 4 * blocks(count, self.config.bucket) + packed_bytes(count, self.config.bits)
 
+    def _chunked(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+        key = uniforms.draw_key(gen, x.device) if x.numel() else None
+        return _chunked_encode(self._encode_one, x, out, key, self.config.bucket)
+
     def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
         if self.config.coding == "ans":
-            return self._ans(lambda v, w, g: _chunked_encode(self._encode_one, v, w, g, self.config.bucket), x, out, gen)
-        return _chunked_encode(self._encode_one, x, out, gen, self.config.bucket)
+            return self._ans(self._chunked, x, out, gen)
+        return self._chunked(x, out, gen)
 
     def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
         """:meth:`encode`'s bytes without the reconstruction, through reused chunk buffers."""
         if self.config.coding == "ans":
-            self._ans(lambda v, w, g: _chunked_encode(self._encode_one, v, w, g, self.config.bucket), x, out, gen)
+            self._ans(self._chunked, x, out, gen)
             return
         m, s, bits = x.numel(), self.levels, self.config.bits
         if m == 0:
@@ -899,15 +920,16 @@ class QSGD(_EntropyCoded, Quantizer):
         w = _BlockWriter(m, self.config.bucket, 1, bits, x.device)
         k = _encode_kernels(x)
         use_max = self.config.norm == "max"
+        key = uniforms.draw_key(gen, x.device)
+        k0, k1 = _key32(key)
         for start, stop, b0, b1 in w.chunks():
             xc = x[start:stop]
-            u = torch.rand(stop - start, generator=gen, device=x.device, out=w.uniform(stop - start))
             if k is not None:
                 norms = w.params[b0:b1, 0]
                 if not use_max:  # torch's reduction, as the torch path computes it
                     norms.copy_(torch.linalg.vector_norm(_padded_rows(xc, w.size, fill_first=False), dim=1))
                 codes = kernels.scratch(stop - start, np.uint8)
-                if k.qsgd_codes(xc.numpy(), w.size, s, bits - 1, use_max, norms.numpy(), u.numpy(), codes):
+                if k.qsgd_codes(xc.numpy(), w.size, s, bits - 1, use_max, norms.numpy(), k0, k1, start, codes):
                     w.put_host_codes(start, codes, k)
                     continue
             rows = _padded_rows(xc, w.size, fill_first=False)
@@ -917,24 +939,34 @@ class QSGD(_EntropyCoded, Quantizer):
             else:
                 norm = torch.linalg.vector_norm(rows, dim=1)
             w.params[b0:b1, 0] = norm
-            safe = torch.where(norm > 0, norm, torch.ones_like(norm))
-            ratio = mag.mul_(s).div_(safe[:, None]).view(-1)[:stop - start]
-            ratio.add_(u).floor_().clamp_(0, s)
+            ratio = self._ratio_(mag, norm).view(-1)[:stop - start]
+            ratio.add_(w.uniform(key, start, stop - start)).floor_().clamp_(0, s)
             code = w.u8[:stop - start]
             code.copy_(ratio)
             code.bitwise_or_(torch.lt(xc, 0).view(torch.uint8) << (bits - 1))
             w.put_codes(start, code)
         w.write(out)
 
-    def _encode_one(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
+    def _ratio_(self, mag: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+        """In place: mag (|x| as rows of buckets) times r = fp32(levels / norm) per bucket (norm 0:
+        r = levels), one fp32 multiply per element, the kernel's arithmetic; where r overflows (a
+        norm below levels / fp32's max, where 0 * r would be NaN) |x| * levels / norm instead."""
+        safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+        r = torch.full_like(safe, float(self.levels)).div_(safe)
+        big = torch.isinf(r)
+        if bool(big.any()):
+            mag[big] = mag[big].mul(self.levels).div_(safe[big][:, None])
+            r[big] = 1.0
+        return mag.mul_(r[:, None])
+
+    def _encode_one(self, x: torch.Tensor, out: Writer, key: tuple[int, int] | None, start: int) -> torch.Tensor:
         m, s = x.numel(), self.levels
         if m == 0:
             return x
         rows = _blocked(x, self.config.bucket)
         norm = rows.abs().amax(dim=1) if self.config.norm == "max" else torch.linalg.vector_norm(rows, dim=1)
-        safe = torch.where(norm > 0, norm, torch.ones_like(norm))
-        ratio = (rows.abs() * s / safe[:, None]).reshape(-1)[:m]
-        ratio.add_(_uniform(ratio.shape, gen, x.device)).floor_().clamp_(0, s)
+        ratio = self._ratio_(rows.abs(), norm).reshape(-1)[:m]
+        ratio.add_(_uniform(key, start, m, x.device)).floor_().clamp_(0, s)
         level = ratio.to(torch.uint8)
         negative = (x < 0).to(torch.uint8)
         out.tensor(norm)
@@ -971,12 +1003,79 @@ class QSGD(_EntropyCoded, Quantizer):
         return Values(count, unit, build, device)
 
 
+_STD_BLOCK = 1 << 16  # elements per exact partial sum of TernGrad's std
+_STD_QBITS = 20  # |q| <= 2**20 per block: q^2 sums of 8192 stay exact in float64
+
+
+def _tern_std(n: int, ks, s1, s2) -> float:
+    """TernGrad's std(x) (n - 1 normalization) from exact per-block integer sums: block b holds
+    s1 = sum q, s2 = sum q^2 of q = rint(x * 2**ks[b]) (|q| <= 2**20: x to 20 bits of its block's
+    max |x|). Combined exactly (Python integers), divided once (correctly rounded), so the result
+    depends on neither the order of the sums nor the path (fused loop or torch ops).
+
+    Why not ``torch.std``: it costs ~7 read passes on one thread (more than the rest of the
+    encode), and a float sum's last bits depend on its order, so a fused loop could not give
+    torch's bits. The rounding (each value moves by at most 2**-20 of its block's max |x|) moves
+    the std by at most 2**-20 * max|x| (the centred vector moves by at most that per element);
+    rounding errors of continuous data average out, so on Gaussian updates it agrees with
+    ``torch.std`` to ~1e-8 relative (``tests/test_uniforms.py`` checks 1e-6)."""
+    ks, s1, s2 = (v.tolist() if isinstance(v, np.ndarray) else v for v in (ks, s1, s2))
+    top = max(ks)
+    a = sum(v << (top - k) for v, k in zip(s1, ks))
+    b = sum(v << 2 * (top - k) for v, k in zip(s2, ks))
+    var = (n * b - a * a) / (n * (n - 1))
+    return math.ldexp(math.sqrt(var), -top)
+
+
+def _tern_stats_kernel(x: torch.Tensor, clip: bool, k):
+    """(max |x|, std or None) through the fused loop; None where a value is not finite."""
+    m = x.numel()
+    nb = -(-m // _STD_BLOCK)
+    amax = np.empty(nb, dtype=np.float32)
+    s1, s2, ks = np.empty(nb, dtype=np.int64), np.empty(nb, dtype=np.int64), np.empty(nb, dtype=np.int64)
+    if not k.tern_stats(x.numpy(), _STD_BLOCK, _STD_QBITS, clip, amax, s1, s2, ks):
+        return None
+    return amax.max(), (_tern_std(m, ks, s1, s2) if clip else None)
+
+
+def _tern_stats_torch(x: torch.Tensor, clip: bool):
+    """:func:`_tern_stats_kernel` in torch ops (any device), blocks of _STD_BLOCK (zero padding
+    changes neither max |x| nor the sums); std NaN where a value is not finite."""
+    m, group = x.numel(), max(1, _ENCODE_CHUNK // _STD_BLOCK) * _STD_BLOCK
+    amaxes, ks, s1, s2 = [], [], [], []
+    finite = True
+    for lo in range(0, m, group):
+        rows = _padded_rows(x[lo:lo + group], _STD_BLOCK, fill_first=False)
+        amax = rows.abs().amax(dim=1)
+        amaxes.append(amax)
+        finite = finite and bool(torch.isfinite(amax).all())
+        if not (clip and finite):
+            continue
+        exp = torch.frexp(amax).exponent.tolist()
+        kk = [_STD_QBITS - e if a > 0 else 0 for e, a in zip(exp, amax.tolist())]
+        scale = torch.tensor([math.ldexp(1.0, v) for v in kk], dtype=torch.float64, device=x.device)
+        q = torch.round(rows.double() * scale[:, None])  # exact: a power-of-2 scale in float64
+        qi = q.to(torch.int64)
+        ks += kk
+        s1 += qi.sum(dim=1).tolist()
+        s2 += (qi * qi).sum(dim=1).tolist()
+    a = np.float32(torch.cat(amaxes).amax().item())
+    if not clip:
+        return a, None
+    return a, (_tern_std(m, ks, s1, s2) if finite else float("nan"))
+
+
 @register
 class TernGrad(Quantizer):
     """TernGrad (Wen et al. 2017): s * sign(g) * b, b ~ Bernoulli(|g| / s), s = max|g| per segment.
 
     With ``clip`` > 0, g is first clipped to +-clip * std(g) (biased; error feedback keeps the
     clipped part). Unbiased with clip = 0. Elementwise |error| <= s.
+
+    std(g) is computed from exact integer sums (:func:`_tern_std`; within ~1e-6 of ``torch.std``,
+    which costs ~7 read passes), so the fused CPU loop and the torch path (CUDA, no numba) give
+    the same bytes; the Bernoulli draws use the segment's counter-based uniforms
+    (:mod:`fedcomp.uniforms`).
     """
 
     name = "terngrad"
@@ -999,17 +1098,73 @@ class TernGrad(Quantizer):
     def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
         if x.numel() == 0:
             return x
-        if self.config.clip > 0 and x.numel() > 1:
-            bound = self.config.clip * x.std()
-            x = torch.maximum(torch.minimum(x, bound), -bound)
-        s = x.abs().max()
-        keep = _uniform(x.shape, gen, x.device) * s < x.abs()
-        codes = torch.where(keep, torch.where(x < 0, 2, 1), 0).to(torch.uint8)
-        out.tensor(s.reshape(1))
-        out.tensor(pack_bits(codes, 2))
-        return self._values(s, codes)
+        s, packed = self._write(x, out, gen)
+        return self._values(s, unpack_codes(packed, x.numel(), 2))
+
+    def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
+        """:meth:`encode`'s bytes without the reconstruction."""
+        if x.numel():
+            self._write(x, out, gen)
+
+    def _write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write [s, 2-bit codes]; returns (s as a 1-element fp32 tensor, the packed codes).
+
+        1. The clip bound ``clip * std(x)`` (:func:`_tern_std`; skipped for clip = 0 or one value).
+        2. s = max |clipped x| = min(max |x|, bound), in fp32.
+        3. Per element: a = min(|x|, bound); code 1 (+s) or 2 (-s, x < 0) where u_i * s < a (so
+           P(sent) = a / s: unbiased for clip = 0), else 0; u_i the segment's counter-based uniform
+           (:mod:`fedcomp.uniforms`), so the chunking and the path (fused CPU loop or torch ops)
+           do not change the bytes. A non-finite x gives s = NaN (or inf without clipping) and
+           every code 0, as before the rework."""
+        m = x.numel()
+        key = uniforms.draw_key(gen, x.device)
+        clip = self.config.clip > 0 and m > 1
+        k = _encode_kernels(x)
+        stats = _tern_stats_kernel(x, clip, k) if k is not None else None
+        if stats is None:  # no kernels, or a value is not finite
+            k = None
+            stats = _tern_stats_torch(x, clip)
+        amax, bound = stats
+        s32, bound32 = amax, np.float32(np.inf)
+        if clip:
+            with np.errstate(invalid="ignore", over="ignore"):  # std past fp32's range: inf
+                bound32 = np.float32(np.float32(self.config.clip) * np.float32(bound))
+                s32 = np.minimum(amax, bound32)
+        packed = torch.empty(packed_bytes(m, 2), dtype=torch.uint8, device=x.device)
+        step = min(m, max(4, _ENCODE_CHUNK // 4 * 4))  # a multiple of 4 codes: chunks end on a byte
+        s_t = torch.from_numpy(np.array([s32], dtype=np.float32)).to(x.device)
+        if k is not None:
+            k0, k1 = _key32(key)
+            codes = kernels.scratch(step, np.uint8)
+            for lo in range(0, m, step):
+                xc = x[lo:lo + step].numpy()
+                n = xc.shape[0]
+                k.tern_codes(xc, s32, bound32, clip, k0, k1, lo, codes[:n])
+                k.pack(codes[:n], n, 2, packed[lo // 4:lo // 4 + packed_bytes(n, 2)].numpy())
+        else:
+            u = torch.empty(step, dtype=torch.float32, device=x.device)
+            work = torch.empty(2 * step, dtype=torch.int32, device=x.device)
+            mag = torch.empty(step, dtype=torch.float32, device=x.device)
+            code = torch.empty(step, dtype=torch.uint8, device=x.device)
+            keep = torch.empty(step, dtype=torch.bool, device=x.device)
+            b_t = torch.tensor(bound32, dtype=torch.float32, device=x.device)
+            for lo in range(0, m, step):
+                xc = x[lo:lo + step]
+                n = xc.numel()
+                a = torch.abs(xc, out=mag[:n])
+                if clip:
+                    torch.minimum(a, b_t, out=a)
+                uc = uniforms.fill(key, lo, u[:n], work).mul_(s_t)
+                torch.lt(uc, a, out=keep[:n])
+                c = torch.lt(xc, 0, out=code[:n].view(torch.bool)).view(torch.uint8).add_(1)
+                c.mul_(keep[:n].view(torch.uint8))
+                _pack_into(c, 2, packed[lo // 4:lo // 4 + packed_bytes(n, 2)])
+        out.tensor(s_t)
+        out.tensor(packed)
+        return s_t, packed
 
     def _values(self, s: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        s = s.reshape(())
         return torch.where(codes == 1, s, torch.where(codes == 2, -s, torch.zeros_like(s))).float()
 
     def read_values(self, src: Reader, count: int, device: torch.device) -> Values:

@@ -93,7 +93,7 @@ def test_topk_on_tied_values_keeps_the_larger_then_the_lowest_tied_positions():
 
 @pytest.mark.parametrize("spec", ["kbit(bits=4)", "kbit(bits=3,stochastic=True)", "kbit(bits=8,block=0)",
                                   "qsgd(bits=4)", "qsgd(bits=5,bucket=77,norm='l2')", "sign()", "sign(block=100)",
-                                  "twobit(threshold=0.5)", "fp16()", "bf16()"])
+                                  "twobit(threshold=0.5)", "fp16()", "bf16()", "terngrad()", "terngrad(clip=0)"])
 @pytest.mark.parametrize("n", [0, 1, 9, 1_100_001])  # past one 1M-element chunk
 def test_quantizer_write_gives_the_bytes_of_encode(spec, n):
     q = fedcomp.build_codec(spec).quantizer

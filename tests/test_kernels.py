@@ -98,7 +98,8 @@ ENCODE_SPECS = [
     "qsgd(bits=6,bucket=0,norm='l2')", "qsgd(bits=4,norm='l2')", "topk(ratio=0.01)+qsgd(bits=4)",
     "topk(ratio=0.1)+kbit(bits=4)", "topk(ratio=0.01)+sign()", "powersgd(rank=2)+qsgd(bits=8)",
     "kbit(bits=4,coding='ans')", "twobit(threshold=0.5)", "twobit(threshold=1e-45)",
-    "topk(ratio=0.1)+twobit(threshold=0.3)",
+    "topk(ratio=0.1)+twobit(threshold=0.3)", "terngrad()", "terngrad(clip=0)", "terngrad(clip=0.5)",
+    "topk(ratio=0.1)+terngrad()", "kbit(bits=4,stochastic=true,coding='ans')", "qsgd(bits=4,coding='ans')",
 ]
 
 
@@ -117,11 +118,15 @@ def _encode_inputs():
         yield f"{bad}", {"w": x}
     yield "huge", {"w": torch.randn(7000, generator=g) * 1e30}
     yield "subnormal", {"w": torch.randn(7000, generator=g) * 1e-40}
+    tiny = torch.randn(7000, generator=g) * 1e-40  # qsgd's levels / norm overflows fp32: not 0 * inf
+    tiny[::13] = 0.0
+    yield "subnormal-zeros", {"w": tiny}
 
 
 @pytest.mark.parametrize("spec", ENCODE_SPECS)
 def test_encode_kernels_give_the_same_payload(spec, monkeypatch):
     monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 3000)  # several chunks, a ragged last one
+    monkeypatch.setattr(quantizers, "_STD_BLOCK", 1000)  # terngrad's std from several exact block sums
     codec = fedcomp.build_codec(spec)
     for name, x in _encode_inputs():
         payloads = []

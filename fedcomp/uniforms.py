@@ -1,0 +1,85 @@
+"""Counter-based uniforms for stochastic rounding: ``u_i = hash(key, i)``, not a generator's stream.
+
+Why: drawing one uniform per element from a ``torch.Generator`` (``torch.rand``) costs ~23 read
+passes of the data on one CPU thread, more than everything else a stochastic quantizer does. A
+hash of (key, element index) costs ~1-2 passes inside a fused loop and needs no uniform array.
+The key is drawn once per encoded segment from the caller's generator, so a seeded run stays
+reproducible and every (node, round, segment) gets its own stream, as before.
+
+The function (all arithmetic mod 2**32; ``key`` = (k0, k1), two 32-bit words; ``i`` the
+element's index in the segment)::
+
+    h = (k0 + i * G) xor k1                                                      G = 0x9E3779B9
+    h = lowbias32(h)     # h ^= h >> 16; h *= 0x7FEB352D; h ^= h >> 15; h *= 0x846CA68B; h ^= h >> 16
+    u_i = (h >> 8) / 2**24                                                       # in [0, 1), 24 bits
+
+A Weyl sequence through a bijective 32-bit mixer (Wellons' ``lowbias32``), 32-bit rather than
+splitmix64's 64-bit arithmetic because AVX2 has no 64-bit vector multiply (measured on this
+project's machine: the 64-bit mixer alone 4.6 read passes, this one ~2). k1 enters after the Weyl
+step, so streams of different keys are different sequences, not shifts of one. The stream
+repeats after 2**32 elements of one segment (16 GB of fp32; no update is that large). u_i is a
+multiple of 2**-24, as an fp32 ``torch.rand`` value is. The fused CPU loops
+(:mod:`fedcomp._numba_kernels`, ``_u24``) and :func:`fill` (torch int32 ops: CUDA tensors, no
+numba, ``FEDCOMP_KERNELS=0``) give the same bits, so a payload's bytes do not depend on which
+path encoded it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+G = 0x9E3779B9  # Weyl increment (2**32 / golden ratio, odd)
+A = 0x7FEB352D  # lowbias32's multipliers
+B = 0x846CA68B
+M32 = 0xFFFFFFFF
+SCALE = 2.0 ** -24
+
+
+def draw_key(gen: torch.Generator | None, device: torch.device) -> tuple[int, int]:
+    """(k0, k1): the 64-bit key of one segment's stream, two 32-bit draws from ``gen`` (on the
+    generator's device; the global generator of ``device`` when ``gen`` is None)."""
+    dev = gen.device if gen is not None else device
+    k = torch.randint(0, 1 << 32, (2,), generator=gen, device=dev, dtype=torch.int64).tolist()
+    return int(k[0]), int(k[1])
+
+
+def reference(key: tuple[int, int], i: int) -> float:
+    """u_i in plain Python (the definition; for tests)."""
+    k0, k1 = key
+    h = ((k0 + i * G) & M32) ^ k1
+    h ^= h >> 16
+    h = (h * A) & M32
+    h ^= h >> 15
+    h = (h * B) & M32
+    h ^= h >> 16
+    return (h >> 8) * SCALE
+
+
+def fill(key: tuple[int, int], start: int, out: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
+    """out[j] = u_(start + j) (``out``: fp32, any device) with torch int32 ops. ``work``: a
+    reused int32 buffer of at least 2 * len(out) elements on out's device (fresh temporaries
+    cost more in page faults than the arithmetic).
+
+    uint32 arithmetic in int32 tensors: products and sums wrap mod 2**32 (two's complement), and
+    right shifts are masked to act as logical shifts (torch's >> is arithmetic)."""
+    n = out.numel()
+    if n == 0:
+        return out
+    k0, k1 = key
+    if work is None or work.numel() < 2 * n or work.dtype != torch.int32:
+        work = torch.empty(2 * n, dtype=torch.int32, device=out.device)
+    h, t = work[:n], work[n:2 * n]
+    torch.arange(0, n, dtype=torch.int32, device=out.device, out=h)
+    h.mul_(_s32(G)).add_(_s32((k0 + start * G) & M32)).bitwise_xor_(_s32(k1))  # k0 + (start + j) G
+    for shift, mul in ((16, A), (15, B), (16, None)):
+        torch.bitwise_right_shift(h, shift, out=t).bitwise_and_(M32 >> shift)
+        h.bitwise_xor_(t)
+        if mul is not None:
+            h.mul_(_s32(mul))
+    h.bitwise_right_shift_(8).bitwise_and_(M32 >> 8)
+    return out.copy_(h).mul_(SCALE)
+
+
+def _s32(v: int) -> int:
+    """A uint32 as the int32 with its bits."""
+    return v - (1 << 32) if v >= 1 << 31 else v

@@ -1,0 +1,114 @@
+"""The counter-based uniforms of stochastic rounding (fedcomp.uniforms): one definition, the same
+bits from Python, torch ops and the fused loops, uniform and unbiased enough, reproducible from
+the caller's generator; TernGrad's exact-integer std."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fedcomp
+from fedcomp import kernels, quantizers, uniforms
+from fedcomp.wire import Writer
+
+KEYS = [(0, 0), (0xDEADBEEF, 0x12345678), (0xFFFFFFFF, 0xFFFFFFFF), (1, 0x80000000)]
+STARTS = [0, 5, (1 << 31) - 100, (1 << 32) - 100, (1 << 40) + 3]
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_torch_fill_is_the_definition(key):
+    for start in STARTS:
+        out = uniforms.fill(key, start, torch.empty(300))
+        ref = torch.tensor([uniforms.reference(key, start + j) for j in range(300)], dtype=torch.float64)
+        assert torch.equal(out.double(), ref), start
+
+
+@pytest.mark.skipif(kernels.get() is None, reason="numba not installed")
+@pytest.mark.parametrize("key", KEYS)
+def test_kernel_uniforms_have_the_torch_bits(key):
+    import numpy as np
+
+    k = kernels.get()
+    for start in STARTS:
+        a = uniforms.fill(key, start, torch.empty(5000))
+        b = torch.empty(5000)
+        k.uniforms(np.uint32(key[0]), np.uint32(key[1]), start, b.numpy())
+        assert torch.equal(a, b), start
+
+
+def test_uniforms_are_uniform_and_uncorrelated():
+    n = 1 << 20
+    u = uniforms.fill((0x2545F491, 0x9E3779B9), 0, torch.empty(n)).double()
+    assert float(u.min()) >= 0 and float(u.max()) < 1
+    assert torch.equal(u * 2**24, (u * 2**24).round())  # 24-bit values, like fp32 torch.rand
+    sd_mean = math.sqrt(1 / 12 / n)
+    assert abs(float(u.mean()) - 0.5) < 5 * sd_mean
+    assert abs(float(u.var()) - 1 / 12) < 5 * math.sqrt(1 / 180 / n)  # var of (u - 1/2)^2: 1/180
+    counts = torch.histc(u, bins=64, min=0, max=1)
+    chi2 = float(((counts - n / 64) ** 2 / (n / 64)).sum())
+    assert chi2 < 63 + 6 * math.sqrt(2 * 63)  # 63 degrees of freedom, 6 sd
+    c = u - 0.5
+    for lag in (1, 2, 8, 512):
+        corr = float((c[:-lag] * c[lag:]).mean()) * 12
+        assert abs(corr) < 5 / math.sqrt(n), lag
+    # two keys differing in one bit: independent streams, not shifts of one another
+    v = uniforms.fill((0x2545F491, 0x9E3779B8), 0, torch.empty(n)).double() - 0.5
+    assert abs(float((c * v).mean()) * 12) < 5 / math.sqrt(n)
+
+
+def test_key_comes_from_the_callers_generator():
+    a = uniforms.draw_key(torch.Generator().manual_seed(7), torch.device("cpu"))
+    b = uniforms.draw_key(torch.Generator().manual_seed(7), torch.device("cpu"))
+    c = uniforms.draw_key(torch.Generator().manual_seed(8), torch.device("cpu"))
+    assert a == b != c and all(0 <= v < 1 << 32 for v in a + c)
+
+
+@pytest.mark.parametrize("spec", ["qsgd(bits=4)", "qsgd(bits=2,bucket=0)", "terngrad(clip=0)", "kbit(bits=2,stochastic=true)"])
+def test_one_encode_is_unbiased_over_many_elements(spec):
+    """Within one encode (one key) the rounding errors of 262,144 elements average out: the mean
+    error is within 5 standard deviations of zero (seeded: not flaky)."""
+    n = 1 << 18
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3)) * 0.01 + 0.004
+    q = fedcomp.build_codec(spec).quantizer
+    err = (q.encode(x, Writer(), torch.Generator().manual_seed(4)) - x).double()
+    assert float(err.abs().max()) > 0
+    assert abs(float(err.mean())) < 5 * float(err.std()) / math.sqrt(n)
+
+
+def test_terngrad_std_is_torchs_to_its_precision(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    cases = [torch.randn(300_001, generator=g) * 1e-3 + 2e-4,
+             torch.cat([torch.randn(70_000, generator=g) * 1e-30, torch.randn(70_000, generator=g) * 1e20]),
+             torch.full((70_000,), 0.25), torch.randn(2, generator=g)]
+    cases[1][::1000] = 0.0
+    for block in (1 << 16, 64):
+        monkeypatch.setattr(quantizers, "_STD_BLOCK", block)
+        for x in cases:
+            amax, std = quantizers._tern_stats_torch(x, True)
+            assert amax == float(x.abs().max())
+            assert math.isclose(std, float(x.double().std()), rel_tol=1e-6, abs_tol=0), (block, x.numel())
+            if kernels.get() is not None:
+                assert quantizers._tern_stats_kernel(x, True, kernels.get()) == (amax, std)
+
+
+def test_qsgd_of_a_subnormal_bucket_with_zeros_decodes_finite():
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(9)) * 1e-40
+    x[::7] = 0.0
+    q = fedcomp.build_codec("qsgd(bits=4)").quantizer
+    y = q.encode(x, Writer(), torch.Generator().manual_seed(2))
+    assert bool(torch.isfinite(y).all()) and bool((y[::7] == 0).all())
+    assert float((y - x).abs().max()) <= float(x.abs().max()) / 7 * 1.0001  # within one level
+
+
+def test_terngrad_scale_is_the_clipped_max_and_codes_follow_the_bound():
+    x = torch.randn(50_000, generator=torch.Generator().manual_seed(6))
+    x[7] = 40.0  # far past 2.5 std: clipped
+    q = fedcomp.build_codec("terngrad(clip=2.5)").quantizer
+    w = Writer()
+    y = q.encode(x, w, torch.Generator().manual_seed(1))
+    bound = torch.tensor(2.5, dtype=torch.float32) * torch.tensor(float(x.double().std()), dtype=torch.float32)
+    assert math.isclose(float(y.abs().max()), float(bound), rel_tol=1e-6)
+    assert set(y.unique().tolist()) <= {0.0, float(y.abs().max()), -float(y.abs().max())}
+    assert float(y[7]) == float(y.abs().max())  # |x| >= bound: sent with probability 1
