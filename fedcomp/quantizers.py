@@ -559,9 +559,12 @@ class Sign(Quantizer):
         return super().canonical().replace(",scale='mean'", "")
 
     def _scales(self, rows: torch.Tensor, counts: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
-        """Per row (block, zero padded): mean |x| or the root mean square over its ``counts`` elements."""
+        """Per row (block, zero padded): mean |x| or the root mean square over its ``counts`` elements.
+        Both sum with torch's cascade (``torch.linalg.vector_norm`` accumulates in fp32 one by one:
+        0.14% short at 25M elements)."""
         if self.config.scale == "rms":
-            return torch.linalg.vector_norm(rows, dim=1) / counts.sqrt()
+            sq = torch.mul(rows, rows) if scratch is None else torch.mul(rows, rows, out=scratch)
+            return (sq.sum(dim=1) / counts).sqrt()
         mag = torch.abs(rows) if scratch is None else torch.abs(rows, out=scratch)
         return mag.sum(dim=1) / counts
 
