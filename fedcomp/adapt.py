@@ -36,8 +36,9 @@ single round's test accuracy is too noisy to act on); at the end of each window,
 this window's mean minus the previous window's::
 
     gain > tolerance        on track: budget *= tighten (not within `cooldown` windows of a relax)
+    0 < gain <= tolerance   slow progress: hold
     gain < -tolerance       degrading: budget *= relax
-    otherwise               stalled: budget *= relax -- a probe: does less compression help?
+    otherwise               stalled (no gain): budget *= relax -- a probe: does less compression help?
       the window after a probe, still no gain: revert to the budget before the probe, and wait
       twice as many stalled windows before the next probe (1, 2, 4, ...; reset by progress)
     budget clamped to [lowest, highest]
@@ -150,6 +151,8 @@ class StrengthController:
             # a relax on a stall that bought nothing: back to the budget before it, probe half as often
             self._backoff, self._waited = 2 * self._backoff, 0
             return self._move("revert", probing) if self.revert else "hold"
+        if gain > 0:
+            return "hold"  # slow progress: training still moves at this strength, a probe would only cost bytes
         self._waited += 1
         if gain >= -self.tolerance and self._waited < self._backoff:
             return "hold"  # stalled, but the last probe on a stall did not help: wait longer
