@@ -27,8 +27,9 @@ bytes do. The first policy had one floor, dense / 3000, for every model: right f
 for ``mlp-large``, where it spent 21% more bytes to the target than a fixed ``ratio=0.0005``;
 dense / 6000 for every model missed the target on ``mlp`` (simulations/figures/adapt/notes.md).
 Limit (README, "Closed-loop strength"): between the floor and a stall the controller holds, so
-``auto`` costs about what the fixed ratio at its floor costs plus its trials; a fixed ratio near the
-floor beats it (mlp-large 0.00035, mnist cnn-bn 0.001 by 6% and 9%).
+``auto`` costs about what the fixed ratio at its floor costs plus its trials: it ties with the fixed
+ratio nearest the floor (mnist cnn-bn 0.001: 1.4% fewer bytes) and loses to one just below it
+(mlp-large 0.00035: 10% more).
 
 Accuracy-driven (:class:`StrengthController`): the signal is the server-side evaluation after
 each round (accuracy, or minus the loss). It is averaged over windows of `window` rounds (a
