@@ -9,6 +9,7 @@ model, rounds without usable replies, clients without the mod) writes ``<out-dir
 from __future__ import annotations
 
 import json
+import random
 import resource
 import time
 from logging import ERROR, INFO
@@ -155,6 +156,7 @@ def _rss_mb() -> float:
 def main(grid: Grid, context: Context) -> None:
     cfg = validate_run_config(context.run_config)
     seed = int(cfg["seed"])
+    random.seed(seed)  # Flower's strategies sample nodes with the process-global random: the seed fixes who trains
     model = task.build_model(str(cfg["model"]), seed=seed, task=str(cfg["task"]))
     x_test, y_test = task.load_test(str(cfg["task"]), seed)
     out_dir = Path(str(cfg["out-dir"])).expanduser().resolve()

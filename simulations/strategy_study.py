@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -62,6 +63,9 @@ def run_one(name: str, wrapped: bool, *, task_name: str, model_name: str, rounds
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1  # what a Flower process sets
     torch.set_num_threads(1)
+    # Flower samples nodes with the process-global random: seeded per run, a seed picks the same clients
+    # each round whatever ran before in the process, and runs of one seed are paired (dense included)
+    random.seed(seed)
     inner = strategies(clients, fraction, lr)[name]()
     settings = ({} if upload is None else {"upload": upload}) | ({} if error_feedback else {"error_feedback": False})
     strategy = CompressedStrategy(inner, **settings) if wrapped else inner
