@@ -22,7 +22,7 @@ when the number of connected nodes, the number sampled and the model's size are 
 An explicit upload spec resolves at the same moment: in cross-device its codec takes its
 cross-device defaults where the spec writes none of them (:func:`fedcomp.cross_device_spec`:
 ``topk()`` and ``dgc()`` keep a tenth, ``powersgd()`` rank 8, ``sign()`` the rms scale, ``randomk()``
-a tenth rescaled, without residual; README, "Cross-device defaults").
+a quarter, rescaled and without residual; README, "Cross-device defaults").
 
 Link budgets (``link_profile``, ``round_deadline_s``) and ``delta`` need per-client decoding, so
 with them ``"auto"`` resolves to the cross-silo specs in every regime. Models with running

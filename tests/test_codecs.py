@@ -313,6 +313,7 @@ def test_cross_device_spec_fills_only_what_the_spec_leaves_out():
     assert fedcomp.cross_device_spec("topk(scope='tensor')") == "topk(ratio=0.1,scope='tensor',index='rice')"
     assert fedcomp.cross_device_spec("sign(block=64)") == "sign(block=64,scale='rms')"
     assert fedcomp.cross_device_spec("dgc(ratio=0.01)") == "dgc(ratio=0.01)"  # written: stands
+    assert fedcomp.cross_device_spec("randomk()") == "randomk(ratio=0.25,scope='global',rescale=True)"
     assert build_codec("sign(scale='mean')").spec == "sign(block=0)"  # the default scale keeps the old spec
     for written in ("topk(ratio=0.01)", "qsgd(bits=4)", "sketch()", "none()", "sign(scale='mean')"):
         assert fedcomp.cross_device_spec(written) == written  # written arguments and stages without any stay

@@ -313,7 +313,7 @@ def _flwr_warnings():
     ("sign()", 0.5, False),  # cross-device default scale 'rms': held
     ("powersgd()", 0.5, False),  # cross-device default rank 8: held
     ("threshold()", 0.5, False),  # Strom's static threshold: measured within 2 points cross-device
-    ("randomk()", 0.5, False),  # cross-device default: a tenth, rescaled (unbiased, no residual)
+    ("randomk()", 0.5, False),  # cross-device default: a quarter, rescaled (unbiased, no residual)
     ("sketch(rows=1,cols=400)", 0.5, False),  # FetchSGD: the error lives on the server
 ])
 def test_biased_upload_with_partial_participation_warns_once(upload, fraction, warned):
