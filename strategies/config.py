@@ -206,7 +206,8 @@ class CompressionConfig:
         writes none of them (:func:`fedcomp.cross_device_spec`: ``topk()`` keeps a tenth);
         otherwise a config without ``"auto"`` comes back as is.
         """
-        if not self.auto and not (partial and self.regime_dependent):
+        cross_device = partial and self.regime_dependent
+        if not self.auto and not cross_device:
             return self
         budgets = self.link_profile != links.NONE or self.round_deadline_s or self.delta
         statistics_exact = statistics and self.exact_statistics and self.aggregation == AUTO
@@ -219,7 +220,7 @@ class CompressionConfig:
         elif self.upload == AUTO:
             upload = cross_device_upload(numel or PLACEHOLDER_PARAMS) if sketchable else SILO_UPLOAD
         else:
-            upload = fedcomp.cross_device_spec(self.upload) if partial and self.regime_dependent else self.upload
+            upload = fedcomp.cross_device_spec(self.upload) if cross_device else self.upload
         codec = fedcomp.build_codec(upload)
         sketch = self.aggregation == "sketch" or (self.aggregation == AUTO and _linear_reducer(codec))
         coupled = self.coupled_download
