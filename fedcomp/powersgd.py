@@ -253,6 +253,20 @@ class PowerSGD(Reducer):
         k.lowrank(*self._host_factors(values, n, m, r), r, m, lo, hi, _NO32, target.numpy(), float(weight), True)
         return True
 
+    def range_adder(self, values: torch.Tensor, aux: Any, seg: Segment):
+        """``f(lo, hi, s, w)``: :meth:`add_range` into a float64 numpy ``s``, with the factors
+        prepared once (a server adding many short ranges); None where there is no fused loop."""
+        k = kernels.get() if values.device.type == "cpu" else None
+        if k is None:
+            return None
+        f = self.factors(seg)
+        if f is None:
+            flat = values.numpy()
+            return lambda lo, hi, s, w: k.add_f32(flat[lo:hi], s, w)
+        n, m, r = f
+        p, qt = self._host_factors(values, n, m, r)
+        return lambda lo, hi, s, w: k.lowrank(p, qt, r, m, lo, hi, _NO32, s, w, True)
+
     def sq_range(self, values: torch.Tensor, aux: Any, seg: Segment, lo: int, hi: int) -> float | None:
         """Sum of squares (float64) of ``expand_range(...)`` built in a reused buffer (CPU kernels;
         None where there are none)."""

@@ -258,6 +258,12 @@ class Values:
         self._add(lo, hi, target.numpy(), float(weight))
         return True
 
+    def adder(self):
+        """The fused add as ``f(lo, hi, s, w)`` (``s``: a float64 numpy slice of ``hi - lo``), for a
+        caller that adds many short ranges (:class:`fedcomp.aggregate.Accumulator`'s batched
+        pass); None where there is no such loop."""
+        return self._add if self._add is not None and self.device.type == "cpu" else None
+
     @classmethod
     def of(cls, values: torch.Tensor) -> "Values":
         """Values already dequantized (quantizers without a chunked reader)."""
