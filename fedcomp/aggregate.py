@@ -241,6 +241,12 @@ class _Expanded:
         sq = getattr(self.reducer, "sq_range", None)
         return None if sq is None else sq(self.values, self.aux, self.seg, lo, hi)
 
+    def sq_whole(self, lo: int, hi: int) -> float | None:
+        """Sum of squares of ``chunk(lo, hi)`` computed at once where the reducer can
+        (``sq_all``); None otherwise."""
+        sq = getattr(self.reducer, "sq_all", None)
+        return None if sq is None else sq(self.values, self.aux, self.seg, lo, hi)
+
     def release(self) -> None:
         self._y = None
 
@@ -264,7 +270,13 @@ def _fused_chunks(source, start: int, offset: int, numel: int, dtype: torch.dtyp
 
 def _square_chunks(source, start: int, offset: int, numel: int, dtype: torch.dtype):
     """:func:`_tensor_chunks` with each chunk's sum of squares (float) in place of its values
-    where ``source.sq`` computes it."""
+    where ``source.sq`` computes it; one float for the whole tensor where ``source.sq_whole``
+    does (PowerSGD: from its factors, without building a value)."""
+    whole = getattr(source, "sq_whole", None)
+    total = whole(offset, offset + numel) if whole is not None else None
+    if total is not None:
+        yield start + offset, total
+        return
     for i in range(0, numel, CHUNK):
         lo, hi = offset + i, offset + min(numel, i + CHUNK)
         sq = source.sq(lo, hi)
