@@ -456,8 +456,8 @@ def _base(k0, i0):
 
 
 @njit(inline="always")
-def _u24(base, k1, j):
-    """u_(i0 + j) of the stream of key (k0, k1), base = _base(k0, i0) (uint32 each): see
+def _h32(base, k1, j):
+    """h_(i0 + j) of the stream of key (k0, k1), base = _base(k0, i0) (uint32 each): see
     :mod:`fedcomp.uniforms`. Every step is truncated to uint32 (numba widens integer
     arithmetic); loops over j vectorize with 32-bit multiplies (AVX2 has no 64-bit one)."""
     h = np.uint32(np.uint32(base + np.uint32(j) * _G) ^ k1)
@@ -465,8 +465,125 @@ def _u24(base, k1, j):
     h = np.uint32(h * _A)
     h = np.uint32(h ^ (h >> 15))
     h = np.uint32(h * _B)
-    h = np.uint32(h ^ (h >> 16))
-    return _F32(np.int32(h >> 8)) * _U24
+    return np.uint32(h ^ (h >> 16))
+
+
+@njit(inline="always")
+def _u24(base, k1, j):
+    """u_(i0 + j) = (h >> 8) / 2**24 (:func:`_h32`)."""
+    return _F32(np.int32(_h32(base, k1, j) >> 8)) * _U24
+
+
+_HBLOCK = 1 << 16  # hashes per step of smallest_hashes (a block's top bits fit one small buffer)
+
+
+@njit(cache=True, nogil=True)
+def smallest_hashes(k0, k1, n, k, out, sigmas):
+    """out[:k] = the positions of the k smallest (h_i, i) over i < n, ascending
+    (:func:`fedcomp.uniforms.smallest`); False (out undefined) where the band missed.
+
+    One pass where the hashes behave as uniforms: the k-th smallest h lies within ``sigmas``
+    binomial standard deviations of k / n * 2**32, so every position below that band is in, and
+    only the band's own (a few thousand) are ranked exactly. Per block of 65,536: the hashes in
+    a vectorized loop, then branch-free scans. If the band misses the k-th (for 8 sigmas, about
+    once in 10**15 draws), the caller runs :func:`smallest_exact` (two passes, the same answer;
+    called from here, it slowed this loop 5x)."""
+    if k == 0:
+        return True
+    p = k / n
+    spread = sigmas * math.sqrt(n * p * (1.0 - p)) + 64.0
+    lo = np.int64(max(0.0, math.floor((k - spread) / n * 4294967296.0)))
+    width = np.int64(min(4294967296.0, math.ceil((k + spread) / n * 4294967296.0))) - lo
+    hs = np.empty(_HBLOCK, dtype=np.uint32)
+    sel = np.empty(_HBLOCK, dtype=np.int64)
+    cut = np.empty(_HBLOCK, dtype=np.int64)
+    band = np.empty(4096, dtype=np.int64)
+    nb = 0
+    o = 0
+    for a in range(0, n, _HBLOCK):
+        m = min(n, a + _HBLOCK) - a
+        base = _base(k0, a)
+        h = hs[:m]
+        for j in range(m):  # vectorized: the hashes alone
+            h[j] = _h32(base, k1, j)
+        c = 0
+        d = 0
+        for j in range(m):  # branch-free: write always, advance where below / in the band
+            v = np.int64(h[j]) - lo
+            sel[c] = a + j
+            c += v < 0
+            cut[d] = (v << 31) + a + j
+            d += np.uint64(v) < np.uint64(width)
+        if o + c > k:
+            return False
+        out[o:o + c] = sel[:c]
+        o += c
+        if nb + d > band.shape[0]:
+            grown = np.empty(2 * (nb + d), dtype=np.int64)
+            grown[:nb] = band[:nb]
+            band = grown
+        band[nb:nb + d] = cut[:d]
+        nb += d
+    if o + nb < k:
+        return False
+    keys = np.sort(band[:nb])[:k - o]
+    _merge(out, o, np.sort(keys & ((1 << 31) - 1)), k)
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _merge(out, o, chosen, k):
+    """out[:k] = the ascending merge of out[:o] and ``chosen`` (k - o positions), in place."""
+    i = o - 1
+    j = chosen.shape[0] - 1
+    for w in range(k - 1, -1, -1):
+        if j < 0:
+            break
+        if i >= 0 and out[i] > chosen[j]:
+            out[w] = out[i]
+            i -= 1
+        else:
+            out[w] = chosen[j]
+            j -= 1
+
+
+@njit(cache=True, nogil=True)
+def smallest_exact(k0, k1, n, k, out):
+    """:func:`smallest_hashes` in two passes, whatever the hashes: a histogram of their top 16
+    bits finds the bin of the k-th smallest; the second pass keeps every position below that bin
+    and ranks the bin's own by (low bits, position)."""
+    hist = np.zeros(1 << 16, dtype=np.int64)
+    top = np.empty(_HBLOCK, dtype=np.uint32)
+    for a in range(0, n, _HBLOCK):
+        m = min(n, a + _HBLOCK) - a
+        base = _base(k0, a)
+        t = top[:m]
+        for j in range(m):
+            t[j] = _h32(base, k1, j) >> 16
+        for j in range(m):
+            hist[t[j]] += 1
+    cut = 0
+    below = 0
+    while below + hist[cut] < k:
+        below += hist[cut]
+        cut += 1
+    cand = np.empty(hist[cut], dtype=np.int64)  # (low 16 bits) * 2**31 + position
+    c = 0
+    o = 0
+    for a in range(0, n, _HBLOCK):
+        m = min(n, a + _HBLOCK) - a
+        base = _base(k0, a)
+        for j in range(m):
+            h = _h32(base, k1, j)
+            hb = np.int64(h >> 16)
+            if hb < cut:
+                out[o] = a + j
+                o += 1
+            elif hb == cut:
+                cand[c] = (np.int64(h & 0xFFFF) << 31) + a + j
+                c += 1
+    cand.sort()
+    _merge(out, o, np.sort(cand[:k - o] & ((1 << 31) - 1)), k)
 
 
 @njit(cache=True, nogil=True)
