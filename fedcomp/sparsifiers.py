@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedcomp import uniforms
+from fedcomp import kernels, uniforms
 from fedcomp.base import Quantizer, Segment, Selector, StageContext, register
 from fedcomp.bitpack import (
     choose_rice_parameter,
@@ -61,6 +61,7 @@ _TOPK_RANK = 64  # the sample is sized so that the k-th largest |x| sits about t
 _TOPK_MARGIN = 5.0  # the cut is taken that many standard deviations further down (P(miss) ~ 3e-7)
 _SAMPLE_RUN = 16  # sampled positions come in aligned runs of 16 (one 64-byte cache line of fp32)
 _CHUNK = 1 << 18  # elements scanned per step (1 MB): the chunk's temporaries stay in cache
+_CAND_CAP = 1 << 20  # candidates the fused scan collects before it leaves a part to numpy
 _TIED = 64  # more than this many times k candidates: the cut sits on a tie (or a badly off sample)
 
 
@@ -79,8 +80,16 @@ def _candidates(x: torch.Tensor | Pieces, thr: float, strict: bool = False) -> t
     cmp = np.greater if strict else np.greater_equal
     t = np.float32(thr)
     buf = mask = None
+    k = kernels.for_encode()
     for start, part in _flat_parts(x):
         n = part.numel()
+        if k is not None and part.device.type == "cpu" and part.dtype == torch.float32 and part.is_contiguous():
+            hits = kernels.scratch(min(n, _CAND_CAP), np.int64)  # one pass, blocks below t skipped
+            c = k.candidates(part.detach().reshape(-1).numpy(), t, strict, hits)
+            if c >= 0:
+                if c:
+                    out.append(torch.from_numpy(hits[:c] + start))
+                continue
         if part.device.type != "cpu":
             mag = part.abs()
             hit = torch.nonzero(mag > thr if strict else mag >= thr).reshape(-1)
@@ -113,7 +122,8 @@ def _first_zeros(x: torch.Tensor | Pieces, nonzero: torch.Tensor, count: int) ->
 
 
 def _gather(x: torch.Tensor | Pieces, idx: torch.Tensor) -> torch.Tensor:
-    return x[idx] if isinstance(x, torch.Tensor) else x.gather_sorted(idx)
+    # index_select: ~6x faster than x[idx] on the CPU (25M elements, 39k positions: 0.33 ms / 2.1 ms)
+    return torch.index_select(x, 0, idx) if isinstance(x, torch.Tensor) else x.gather_sorted(idx)
 
 
 def _full(x: torch.Tensor | Pieces) -> torch.Tensor:
@@ -145,7 +155,7 @@ def exact_topk_sampled(x: torch.Tensor | Pieces, k: int, gen: torch.Generator) -
     runs = m // _SAMPLE_RUN
     starts = torch.randint(n // _SAMPLE_RUN, (runs,), generator=gen) * _SAMPLE_RUN
     pos = (starts[:, None] + torch.arange(_SAMPLE_RUN)).reshape(-1).to(x.device)
-    sample = (x[pos] if isinstance(x, torch.Tensor) else x.gather(pos)).abs()
+    sample = (torch.index_select(x, 0, pos) if isinstance(x, torch.Tensor) else x.gather(pos)).abs()
     r = min(sample.numel(), math.ceil(k * sample.numel() / n + _TOPK_MARGIN * math.sqrt(_TOPK_RANK)) + 1)
     thr = float(torch.topk(sample, r, sorted=False).values.min())
     if thr == 0:  # most of x is zero: the nonzero elements, then the lowest zero positions
