@@ -414,13 +414,10 @@ def qsgd_codes(x, size, levels, top, use_max, norms, k0, k1, start, codes):
 
 
 @njit(cache=True, nogil=True)
-def sign_pack(x, flags, out):
-    """Bit 1 (MSB first) where x < 0: ``pack_bits(x < 0, 1)``'s bytes. ``flags``: a uint8 scratch
-    of len(x). Flags are formed in one vectorized pass, then 8 at a time packed by one multiply
-    (byte k of a little-endian word lands on bit 7 - k of the top byte)."""
-    n = x.shape[0]
-    for j in range(n):
-        flags[j] = 1 if x[j] < 0 else 0
+def _pack_flags(flags, out):
+    """uint8 flags (0 or 1) MSB first into out (``pack_bits(flags, 1)``'s bytes): 8 at a time by
+    one multiply (byte k of a little-endian word lands on bit 7 - k of the top byte)."""
+    n = flags.shape[0]
     full = n >> 3
     words = flags[:full * 8].view(np.uint64)
     for j in range(full):
@@ -465,19 +462,57 @@ def twobit_codes(x, t, codes):
         codes[j] = 3 if v >= t else (2 if v <= nt else 0)
 
 
-# -- terngrad ----------------------------------------------------------------------------------
+# -- exact block sums (terngrad's std, sign's scale) ---------------------------------------------
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _qsums(v, sc):
-    """(sum q, sum q^2) of q = rint(float64(v) * sc), |q| <= 2**20: float64 sums of integers
-    whose every partial sum stays below 2**53 (len(v) <= 8192) are exact in any order, so the
-    vectorized (reassociated) loop gives the same result as any other."""
+def _qsums(v, sc, absolute, flags):
+    """(sum q, sum q^2), or (sum |q|, 0) (``absolute``), of q = rint(float64(v) * sc), |q| <=
+    2**qbits: float64 sums of integers whose every partial sum stays below 2**53 (len(v) <= 8192;
+    qbits <= 20 for q^2, <= 40 for |q|) are exact in any order, so the vectorized (reassociated)
+    loop gives the same result as any other. ``flags`` (or None): flags[j] = v[j] < 0 in the
+    same pass (sign's bits)."""
     t1 = 0.0
     t2 = 0.0
     for j in range(v.shape[0]):
         q = np.rint(np.float64(v[j]) * sc)
-        t1 += q
-        t2 += q * q
+        if absolute:
+            t1 += abs(q)
+        else:
+            t1 += q
+            t2 += q * q
+        if flags is not None:
+            flags[j] = v[j] < 0
     return t1, t2
+
+
+@njit(cache=True, nogil=True)
+def _block_qsums(x, xb, a, e, qbits, sums, absolute, flags):
+    """One block x[a:e] (``xb``: x's int32 view): (bits of max |x|, k, s1, s2), the exact integer
+    sums of :func:`_qsums` for q = rint(x * 2**k), k = qbits - exponent(max |x|) (0 for a zero
+    block), so that |q| <= 2**qbits. Where a value is not finite (bits >= 0x7F800000: inf, or
+    above it NaN) or ``sums`` is False, only the bits (k = s1 = s2 = 0). ``flags`` (or None):
+    flags[j] = x[a + j] < 0."""
+    bits = _absbits(xb[a:e])
+    if bits >= 0x7F800000 or not sums:
+        if flags is not None:
+            for j in range(e - a):
+                flags[j] = x[a + j] < 0
+        return bits, 0, np.int64(0), np.int64(0)
+    nm = _f32_bits(bits)
+    k = 0
+    if nm > 0:
+        k = qbits - math.frexp(np.float64(nm))[1]
+    sc = math.ldexp(1.0, k)
+    t1 = np.int64(0)
+    t2 = np.int64(0)
+    for c in range(a, e, 8192):
+        c1 = min(e, c + 8192)
+        if flags is None:
+            p1, p2 = _qsums(x[c:c1], sc, absolute, None)
+        else:
+            p1, p2 = _qsums(x[c:c1], sc, absolute, flags[c - a:c1 - a])
+        t1 += np.int64(p1)
+        t2 += np.int64(p2)
+    return bits, k, t1, t2
 
 
 @njit(cache=True, nogil=True)
@@ -491,28 +526,45 @@ def tern_stats(x, block, qbits, sums, amax, s1, s2, ks):
     xb = x.view(np.int32)
     for b in range(nb):
         a = b * block
-        e = min(m, a + block)
-        bits = _absbits(xb[a:e])
+        bits, k, t1, t2 = _block_qsums(x, xb, a, min(m, a + block), qbits, sums, False, None)
         if bits >= 0x7F800000:
             return False
-        nm = _f32_bits(bits)
-        amax[b] = nm
-        if not sums:
-            continue
-        k = 0
-        if nm > 0:
-            k = qbits - math.frexp(np.float64(nm))[1]
+        amax[b] = _f32_bits(bits)
         ks[b] = k
-        sc = math.ldexp(1.0, k)
-        t1 = np.int64(0)
-        t2 = np.int64(0)
-        for c in range(a, e, 8192):
-            p1, p2 = _qsums(x[c:min(e, c + 8192)], sc)
-            t1 += np.int64(p1)
-            t2 += np.int64(p2)
         s1[b] = t1
         s2[b] = t2
     return True
+
+
+SIGN_TILE = 16384  # elements whose sign bits are packed at once (their flags still in cache)
+
+
+@njit(cache=True, nogil=True)
+def sign_stats(x, size, sub, qbits, absolute, amax, s, ks, flags, out):
+    """Sign.write in one pass: blocks of ``size`` elements, each cut into parts of ``sub`` (<= 2**16;
+    a block's last part shorter); part i: amax[i] = max |x| (inf or NaN where a value is), ks[i],
+    s[i] = sum |q| (``absolute``) or sum q^2 (:func:`_block_qsums`; 0 for a part not finite),
+    with the flags x < 0 formed in the same loop and packed (``pack_bits(x < 0, 1)``) every
+    SIGN_TILE elements. ``flags``: uint8 scratch of sub + SIGN_TILE + 8."""
+    m = x.shape[0]
+    xb = x.view(np.int32)
+    i = 0
+    lo = 0  # the first element whose bit is not written yet (a multiple of 8); flags[0] is its flag
+    for a0 in range(0, m, size):
+        e0 = min(m, a0 + size)
+        for a in range(a0, e0, sub):
+            e = min(e0, a + sub)
+            bits, k, t1, t2 = _block_qsums(x, xb, a, e, qbits, True, absolute, flags[a - lo:e - lo])
+            amax[i] = _f32_bits(bits)
+            ks[i] = k
+            s[i] = t1 if absolute else t2
+            i += 1
+            if e - lo >= SIGN_TILE or e == m:
+                _pack_flags(flags[:e - lo], out[lo >> 3:])
+                nxt = e & ~7  # a partial last byte is written again, whole, with the next tile
+                for j in range(e - nxt):
+                    flags[j] = flags[nxt - lo + j]
+                lo = nxt
 
 
 @njit(cache=True, nogil=True)
