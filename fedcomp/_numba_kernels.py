@@ -43,6 +43,16 @@ def _f32_bits(typingctx, v):
     return sig, codegen
 
 
+@intrinsic
+def _f64_bits(typingctx, v):
+    """The float64 whose bits are the int64 ``v``."""
+    sig = types.float64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+    return sig, codegen
+
+
 # -- codes -------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
 def unpack(data, count, bits, out):
@@ -414,6 +424,13 @@ def qsgd_codes(x, size, levels, top, use_max, norms, k0, k1, start, codes):
 
 
 @njit(cache=True, nogil=True)
+def _negative(v, flags):
+    """flags[j] = v[j] < 0 (a function of its own: inline in a caller's loop it does not vectorize)."""
+    for j in range(v.shape[0]):
+        flags[j] = v[j] < 0
+
+
+@njit(cache=True, nogil=True)
 def _pack_flags(flags, out):
     """uint8 flags (0 or 1) MSB first into out (``pack_bits(flags, 1)``'s bytes): 8 at a time by
     one multiply (byte k of a little-endian word lands on bit 7 - k of the top byte)."""
@@ -464,12 +481,11 @@ def twobit_codes(x, t, codes):
 
 # -- exact block sums (terngrad's std, sign's scale) ---------------------------------------------
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _qsums(v, sc, absolute, flags):
+def _qsums(v, sc, absolute):
     """(sum q, sum q^2), or (sum |q|, 0) (``absolute``), of q = rint(float64(v) * sc), |q| <=
     2**qbits: float64 sums of integers whose every partial sum stays below 2**53 (len(v) <= 8192;
     qbits <= 20 for q^2, <= 40 for |q|) are exact in any order, so the vectorized (reassociated)
-    loop gives the same result as any other. ``flags`` (or None): flags[j] = v[j] < 0 in the
-    same pass (sign's bits)."""
+    loop gives the same result as any other."""
     t1 = 0.0
     t2 = 0.0
     for j in range(v.shape[0]):
@@ -479,37 +495,28 @@ def _qsums(v, sc, absolute, flags):
         else:
             t1 += q
             t2 += q * q
-        if flags is not None:
-            flags[j] = v[j] < 0
     return t1, t2
 
 
 @njit(cache=True, nogil=True)
-def _block_qsums(x, xb, a, e, qbits, sums, absolute, flags):
+def _block_qsums(x, xb, a, e, qbits, sums, absolute):
     """One block x[a:e] (``xb``: x's int32 view): (bits of max |x|, k, s1, s2), the exact integer
     sums of :func:`_qsums` for q = rint(x * 2**k), k = qbits - exponent(max |x|) (0 for a zero
     block), so that |q| <= 2**qbits. Where a value is not finite (bits >= 0x7F800000: inf, or
-    above it NaN) or ``sums`` is False, only the bits (k = s1 = s2 = 0). ``flags`` (or None):
-    flags[j] = x[a + j] < 0."""
+    above it NaN) or ``sums`` is False, only the bits (k = s1 = s2 = 0)."""
     bits = _absbits(xb[a:e])
     if bits >= 0x7F800000 or not sums:
-        if flags is not None:
-            for j in range(e - a):
-                flags[j] = x[a + j] < 0
         return bits, 0, np.int64(0), np.int64(0)
-    nm = _f32_bits(bits)
     k = 0
-    if nm > 0:
-        k = qbits - math.frexp(np.float64(nm))[1]
-    sc = math.ldexp(1.0, k)
+    if bits >= 0x00800000:  # normal: max |x| = f * 2**e, f in [0.5, 1), e = biased exponent - 126
+        k = qbits - ((bits >> 23) - 126)
+    elif bits > 0:
+        k = qbits - math.frexp(np.float64(_f32_bits(bits)))[1]
+    sc = _f64_bits(np.int64(k + 1023) << 52)  # 2**k (|k| < 400: a normal float64)
     t1 = np.int64(0)
     t2 = np.int64(0)
     for c in range(a, e, 8192):
-        c1 = min(e, c + 8192)
-        if flags is None:
-            p1, p2 = _qsums(x[c:c1], sc, absolute, None)
-        else:
-            p1, p2 = _qsums(x[c:c1], sc, absolute, flags[c - a:c1 - a])
+        p1, p2 = _qsums(x[c:min(e, c + 8192)], sc, absolute)
         t1 += np.int64(p1)
         t2 += np.int64(p2)
     return bits, k, t1, t2
@@ -526,7 +533,7 @@ def tern_stats(x, block, qbits, sums, amax, s1, s2, ks):
     xb = x.view(np.int32)
     for b in range(nb):
         a = b * block
-        bits, k, t1, t2 = _block_qsums(x, xb, a, min(m, a + block), qbits, sums, False, None)
+        bits, k, t1, t2 = _block_qsums(x, xb, a, min(m, a + block), qbits, sums, False)
         if bits >= 0x7F800000:
             return False
         amax[b] = _f32_bits(bits)
@@ -540,12 +547,15 @@ SIGN_TILE = 16384  # elements whose sign bits are packed at once (their flags st
 
 
 @njit(cache=True, nogil=True)
-def sign_stats(x, size, sub, qbits, absolute, amax, s, ks, flags, out):
+def sign_stats(x, size, sub, qbits, absolute, amax, s, ks, scale, flags, out):
     """Sign.write in one pass: blocks of ``size`` elements, each cut into parts of ``sub`` (<= 2**16;
     a block's last part shorter); part i: amax[i] = max |x| (inf or NaN where a value is), ks[i],
-    s[i] = sum |q| (``absolute``) or sum q^2 (:func:`_block_qsums`; 0 for a part not finite),
-    with the flags x < 0 formed in the same loop and packed (``pack_bits(x < 0, 1)``) every
-    SIGN_TILE elements. ``flags``: uint8 scratch of sub + SIGN_TILE + 8."""
+    s[i] = sum |q| (``absolute``) or sum q^2 (:func:`_block_qsums`; 0 for a part not finite).
+    The sign bits (``pack_bits(x < 0, 1)``) are written every SIGN_TILE elements or more, while
+    those are in cache (a partial last byte is written again, whole, with the next tile). Blocks
+    of one part (size <= sub) get their fp32 scale here, as ``quantizers._sign_scales`` computes
+    it: fp32(float64(s) / count (sqrt for rms) * 2**-k), or max |x| where it is inf or NaN.
+    ``flags``: uint8 scratch of sub + SIGN_TILE + 8."""
     m = x.shape[0]
     xb = x.view(np.int32)
     i = 0
@@ -554,17 +564,23 @@ def sign_stats(x, size, sub, qbits, absolute, amax, s, ks, flags, out):
         e0 = min(m, a0 + size)
         for a in range(a0, e0, sub):
             e = min(e0, a + sub)
-            bits, k, t1, t2 = _block_qsums(x, xb, a, e, qbits, True, absolute, flags[a - lo:e - lo])
+            bits, k, t1, t2 = _block_qsums(x, xb, a, e, qbits, True, absolute)
             amax[i] = _f32_bits(bits)
             ks[i] = k
             s[i] = t1 if absolute else t2
+            if size <= sub:
+                if bits >= 0x7F800000:
+                    scale[i] = amax[i]
+                else:
+                    v = np.float64(s[i]) / np.float64(e - a)
+                    if not absolute:
+                        v = math.sqrt(v)
+                    scale[i] = np.float32(v * _f64_bits(np.int64(1023 - k) << 52))
             i += 1
             if e - lo >= SIGN_TILE or e == m:
+                _negative(x[lo:e], flags)  # from cache (in the sums' loop: no faster)
                 _pack_flags(flags[:e - lo], out[lo >> 3:])
-                nxt = e & ~7  # a partial last byte is written again, whole, with the next tile
-                for j in range(e - nxt):
-                    flags[j] = flags[nxt - lo + j]
-                lo = nxt
+                lo = e & ~7
 
 
 @njit(cache=True, nogil=True)

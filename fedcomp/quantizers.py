@@ -584,7 +584,7 @@ def _sign_scales(amax, ks, s, m: int, size: int, sub: int, rms: bool) -> np.ndar
         v = s.astype(np.float64) / counts
         if rms:
             v = np.sqrt(v)
-        v = np.ldexp(v, -ks.astype(np.int32))
+        v *= np.ldexp(1.0, -ks.astype(np.int32))  # exact powers of 2: one rounding, as the fused loop's
         return np.where(finite, v, amax).astype(np.float32)
     scale = np.empty(nb, dtype=np.float32)
     for b in range(nb):
@@ -668,7 +668,9 @@ class Sign(Quantizer):
         if k is not None:
             n = (m // size) * -(-size // sub) + -(-(m % size) // sub)
             amax, s, ks = np.empty(n, dtype=np.float32), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-            k.sign_stats(x.numpy(), size, sub, qbits, not rms, amax, s, ks, kernels.scratch(sub + k.SIGN_TILE + 8, np.uint8), codes.numpy())
+            scale = np.empty(blocks(m, self.config.block) if size == sub else 0, dtype=np.float32)
+            k.sign_stats(x.numpy(), size, sub, qbits, not rms, amax, s, ks, scale,
+                         kernels.scratch(sub + k.SIGN_TILE + 8, np.uint8), codes.numpy())
         else:
             starts = range(0, m, size) if size > sub else [0]
             stats = [_qstats_torch(x[a:a + size] if size > sub else x, sub, qbits, True, not rms) for a in starts]
@@ -677,7 +679,9 @@ class Sign(Quantizer):
             step = max(8, _ENCODE_CHUNK // 8 * 8)
             for lo in range(0, m, step):
                 _pack_into(torch.lt(x[lo:lo + step], 0), 1, codes[lo // 8:lo // 8 + packed_bytes(min(step, m - lo), 1)])
-        scale = torch.from_numpy(_sign_scales(amax, ks, s, m, size, sub, rms)).to(x.device)
+        if k is None or size > sub:
+            scale = _sign_scales(amax, ks, s, m, size, sub, rms)
+        scale = torch.from_numpy(scale).to(x.device)
         out.tensor(scale)
         out.tensor(codes)
         return scale
