@@ -275,26 +275,27 @@ def pack(codes, count, bits, out):
                 out[b + 1] |= word & 255
 
 
-@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
-def _minmax(v):
-    """(min, max) of finite values, vectorized (min and max are exact: any order gives them, up
-    to the sign of a zero, which callers check for)."""
-    mn = v[0]
-    mx = v[0]
-    for j in range(v.shape[0]):
-        mn = min(mn, v[j])
-        mx = max(mx, v[j])
-    return mn, mx
+@njit(cache=True, nogil=True)
+def _order_bits(b):
+    """The int32 bits ``b`` of an fp32 mapped to an integer that orders as the float does (an
+    involution: applied twice it gives ``b`` back). -0.0 maps below +0.0 (-1 and 0); NaN maps
+    past +-inf (above 0x7F7FFFFF or below -0x7F800000)."""
+    return b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _finite(v):
-    """Whether every value is finite: x - x is NaN exactly for NaN and +-inf (reassociation only,
-    so nothing folds x - x to 0)."""
-    z = _F32(0.0)
-    for j in range(v.shape[0]):
-        z += v[j] - v[j]
-    return z == 0
+@njit(cache=True, nogil=True)
+def _range(b):
+    """(min, max, finite) of fp32 values from their int32 view ``b``: one vectorized integer pass
+    (min and max are the values themselves, exact; a zero's sign is the one of the zero that
+    orders first or last, which callers check for)."""
+    lo = np.int32(0x7FFFFFFF)
+    hi = np.int32(-0x80000000)
+    for j in range(b.shape[0]):
+        k = b[j] ^ ((b[j] >> 31) & np.int32(0x7FFFFFFF))
+        lo = min(lo, k)
+        hi = max(hi, k)
+    finite = hi < np.int32(0x7F800000) and lo > np.int32(-0x7F800000)
+    return _f32_bits(_order_bits(lo)), _f32_bits(_order_bits(hi)), finite
 
 
 # -- counter-based uniforms (fedcomp.uniforms): u_i = hash(key, i), the bits of uniforms.fill ----
@@ -343,14 +344,13 @@ def kbit_codes(x, size, levels, stochastic, k0, k1, start, params, codes):
     m = x.shape[0]
     nb = (m + size - 1) // size
     lv = _F32(levels)
+    xb = x.view(np.int32)
     for b in range(nb):
         a = b * size
         e = min(m, a + size)
         blk = x[a:e]
-        if not _finite(blk):
-            return False
-        mn, mx = _minmax(blk)
-        if mn == 0 or mx == 0:
+        mn, mx, finite = _range(xb[a:e])
+        if not finite or mn == 0 or mx == 0:
             return False
         scale = (mx - mn) / lv
         params[b, 0] = mn

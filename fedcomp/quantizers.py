@@ -872,10 +872,12 @@ class KBit(_EntropyCoded, Quantizer):
         k0, k1 = _key32(key)
         for start, stop, b0, b1 in w.chunks():
             if k is not None:
-                codes = kernels.scratch(stop - start, np.uint8)
+                direct = self.config.bits == 8  # the codes are the bytes: written in place
+                codes = w.codes[start:stop].numpy() if direct else kernels.scratch(stop - start, np.uint8)
                 if k.kbit_codes(x[start:stop].numpy(), w.size, levels, key is not None, k0, k1, start,
                                 w.params[b0:b1].numpy(), codes):
-                    w.put_host_codes(start, codes, k)
+                    if not direct:
+                        w.put_host_codes(start, codes, k)
                     continue
             rows = _padded_rows(x[start:stop], w.size, fill_first=True)
             lo, hi = torch.aminmax(rows, dim=1)
