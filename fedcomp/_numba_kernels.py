@@ -290,10 +290,12 @@ def _range(b):
     orders first or last, which callers check for)."""
     lo = np.int32(0x7FFFFFFF)
     hi = np.int32(-0x80000000)
-    for j in range(b.shape[0]):
-        k = b[j] ^ ((b[j] >> 31) & np.int32(0x7FFFFFFF))
-        lo = min(lo, k)
-        hi = max(hi, k)
+    low = np.int32(0x7FFFFFFF)
+    for j in range(b.shape[0]):  # int32 throughout (numba widens integer arithmetic to int64)
+        v = b[j]
+        k = np.int32(v ^ np.int32(np.int32(v >> np.int32(31)) & low))
+        lo = np.int32(min(lo, k))
+        hi = np.int32(max(hi, k))
     finite = hi < np.int32(0x7F800000) and lo > np.int32(-0x7F800000)
     return _f32_bits(_order_bits(lo)), _f32_bits(_order_bits(hi)), finite
 
@@ -375,8 +377,9 @@ def _absbits(b):
     pass for both max |v| (non-negative floats order as their bits) and finiteness (the result is
     below 0x7F800000, the bits of inf, exactly when every value is finite)."""
     mx = np.int32(0)
-    for j in range(b.shape[0]):
-        mx = max(mx, b[j] & np.int32(0x7FFFFFFF))
+    low = np.int32(0x7FFFFFFF)
+    for j in range(b.shape[0]):  # int32 throughout (numba widens integer arithmetic to int64)
+        mx = np.int32(max(mx, np.int32(b[j] & low)))
     return mx
 
 
