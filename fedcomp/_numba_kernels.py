@@ -392,6 +392,7 @@ def qsgd_codes(x, size, levels, top, use_max, norms, k0, k1, start, codes):
     m = x.shape[0]
     nb = (m + size - 1) // size
     s = _F32(levels)
+    sign = np.int32(1 << top)
     xb = x.view(np.int32)
     for b in range(nb):
         a = b * size
@@ -415,14 +416,14 @@ def qsgd_codes(x, size, levels, top, use_max, norms, k0, k1, start, codes):
             for j in range(e - a):
                 v = blk[j]
                 t = np.floor(abs(v) * s / safe + _u24(base, k1, j))
-                lvl = np.uint8(min(max(t, _F32(0.0)), s))
-                c[j] = lvl | (np.uint8(1 << top) if v < 0 else np.uint8(0))
+                lvl = np.int32(min(max(t, _F32(0.0)), s))
+                c[j] = np.uint8(np.int32(lvl | (sign if v < 0 else np.int32(0))))
             continue
         for j in range(e - a):
             v = blk[j]
             t = np.floor(abs(v) * r + _u24(base, k1, j))
-            lvl = np.uint8(min(max(t, _F32(0.0)), s))
-            c[j] = lvl | (np.uint8(1 << top) if v < 0 else np.uint8(0))
+            lvl = np.int32(min(max(t, _F32(0.0)), s))  # int32 codes: uint8 ones widen (~10% slower)
+            c[j] = np.uint8(np.int32(lvl | (sign if v < 0 else np.int32(0))))
     return True
 
 
