@@ -555,8 +555,8 @@ def _qstats_torch(x: torch.Tensor, width: int, qbits: int, sums: bool, absolute:
             continue
         ok = torch.isfinite(amax)
         ks = torch.where(ok & (amax > 0), qbits - torch.frexp(amax).exponent.long(), 0)
-        # exact: a power-of-2 scale in float64 (torch.exp2 of an integer is exact)
-        q = torch.round(rows.double() * torch.exp2(ks.double())[:, None])
+        pow2 = ((ks + 1023) << 52).view(torch.float64)  # 2**ks from its bits: exact on any device
+        q = torch.round(rows.double() * pow2[:, None])  # exact: a power-of-2 scale in float64
         q = q.masked_fill_(~ok[:, None], 0).long()
         parts[1].append(ks)
         if absolute:
