@@ -162,6 +162,19 @@ def _pack_into(q: torch.Tensor, bits: int, dst: torch.Tensor) -> None:
         dst.bitwise_or_(v[:, j] << shift if shift else v[:, j])
 
 
+def _out_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A fresh buffer for payload bytes. On the CPU it comes from numpy, which asks Linux for huge
+    pages (madvise) for buffers of 4 MB or more. Why: the first write into fresh memory faults
+    every 4 kB page; 25 MB into a fresh torch tensor measured ~16 ms on this project's machine
+    (more than 2 read passes of x), into numpy's ~2 ms. The buffer is the payload's, not scratch:
+    it cannot be reused (:func:`kernels.scratch`)."""
+    n = math.prod(shape) if isinstance(shape, tuple) else shape
+    if torch.device(device).type != "cpu" or n == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(np.empty(n * size, dtype=np.uint8)).view(dtype).view(shape)
+
+
 def _encode_kernels(x: torch.Tensor):
     """The CPU kernels for encoding ``x`` (contiguous fp32 on the CPU), or None (torch path)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or not x.is_contiguous():
@@ -177,8 +190,8 @@ class _BlockWriter:
         self.m, self.bits = m, bits
         self.size = block_size(m, block)
         self.step = _chunk_step(m, block)
-        self.params = torch.empty(blocks(m, block), params_per_block, dtype=torch.float32, device=device)
-        self.codes = torch.empty(packed_bytes(m, bits), dtype=torch.uint8, device=device)
+        self.params = _out_empty((blocks(m, block), params_per_block), torch.float32, device)
+        self.codes = _out_empty(packed_bytes(m, bits), torch.uint8, device)
         step = self.step + (-self.step) % self.size  # room for the padded last block
         self.f32 = torch.empty(step, dtype=torch.float32, device=device)
         self.u8 = torch.empty(step, dtype=torch.uint8, device=device)
@@ -463,7 +476,7 @@ class _HalfFloat(Quantizer):
     def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
         """:meth:`encode`'s bytes: one output tensor, clamped and converted chunk by chunk."""
         m = x.numel()
-        y = torch.empty(m, dtype=self.dtype, device=x.device)
+        y = _out_empty(m, self.dtype, x.device)
         step = _ENCODE_CHUNK // 4
         buf = torch.empty(min(m, step), dtype=torch.float32, device=x.device) if self.dtype == torch.float16 else None
         for lo in range(0, m, step):
@@ -663,7 +676,7 @@ class Sign(Quantizer):
         sub = min(size, _STD_BLOCK)
         rms = self.config.scale == "rms"
         qbits = _STD_QBITS if rms else _SIGN_QBITS
-        codes = torch.empty(packed_bytes(m, 1), dtype=torch.uint8, device=x.device)
+        codes = _out_empty(packed_bytes(m, 1), torch.uint8, x.device)
         k = _encode_kernels(x)
         if k is not None:
             n = (m // size) * -(-size // sub) + -(-(m % size) // sub)
@@ -777,7 +790,7 @@ class TwoBit(Quantizer):
         m, t = x.numel(), self.config.threshold
         if m == 0:
             return
-        packed = torch.empty(packed_bytes(m, 2), dtype=torch.uint8, device=x.device)
+        packed = _out_empty(packed_bytes(m, 2), torch.uint8, x.device)
         step = max(4, _ENCODE_CHUNK // 16 * 4)  # a multiple of 4 codes: every chunk but the last ends on a byte
         code = torch.empty(min(m, step), dtype=torch.uint8, device=x.device)
         pos = torch.empty(min(m, step), dtype=torch.bool, device=x.device)
@@ -1195,7 +1208,7 @@ class TernGrad(Quantizer):
             with np.errstate(invalid="ignore", over="ignore"):  # std past fp32's range: inf
                 bound32 = np.float32(np.float32(self.config.clip) * np.float32(bound))
                 s32 = np.minimum(amax, bound32)
-        packed = torch.empty(packed_bytes(m, 2), dtype=torch.uint8, device=x.device)
+        packed = _out_empty(packed_bytes(m, 2), torch.uint8, x.device)
         step = min(m, max(4, _ENCODE_CHUNK // 4 * 4))  # a multiple of 4 codes: chunks end on a byte
         s_t = torch.from_numpy(np.array([s32], dtype=np.float32)).to(x.device)
         if k is not None:
