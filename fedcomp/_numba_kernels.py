@@ -53,6 +53,17 @@ def _f64_bits(typingctx, v):
     return sig, codegen
 
 
+@intrinsic
+def _half_f32(typingctx, v):
+    """The fp32 value of the fp16 whose bits are the uint16 ``v`` (exact; F16C converts 8 at a
+    time where the CPU has it)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return sig, codegen
+
+
 # -- codes -------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
 def unpack(data, count, bits, out):
@@ -126,8 +137,13 @@ def kbit(codes, lo, scale, size, i0, i1, out, s, w, add):
 @njit(cache=True, nogil=True)
 def qsgd(codes, unit, top, size, i0, i1, out, s, w, add):
     """value = fp32(+-(code & (2**top - 1))) * unit[b], the sign in bit ``top`` (QSGD._values;
-    ``unit`` = norm / levels, computed in fp32 by the caller). A level of 0 is +0.0 either sign."""
+    ``unit`` = norm / levels, computed in fp32 by the caller). A level of 0 is +0.0 either sign
+    (0 * unit): negating the product is exact, so -(level * unit) is (-level) * unit's bits.
+    32-bit masks, no variable shift: the loop vectorizes (AVX2 has no 64-bit arithmetic shift or
+    int64 -> float conversion)."""
     mask = (1 << top) - 1
+    m32 = np.int32(mask)
+    sbit = np.int32(1 << top)
     b = i0 // size
     i = i0
     while i < i1:
@@ -138,16 +154,127 @@ def qsgd(codes, unit, top, size, i0, i1, out, s, w, add):
             t = s[i - i0:e - i0]
             for j in range(e - i):
                 cj = np.int32(c[j])
-                lv = cj & mask
-                t[j] = _fma(w, np.float64(_F32(-lv if (cj >> top) else lv) * u), t[j])
+                lv = np.int32(cj & m32)
+                v = _F32(lv) * u
+                t[j] = _fma(w, np.float64(-v if (cj & sbit) != 0 and lv != 0 else v), t[j])
         else:
             o = out[i - i0:e - i0]
             for j in range(e - i):
                 cj = np.int32(c[j])
-                lv = cj & mask
-                o[j] = _F32(-lv if (cj >> top) else lv) * u
+                lv = np.int32(cj & m32)
+                v = _F32(lv) * u
+                o[j] = -v if (cj & sbit) != 0 and lv != 0 else v
         i = e
         b += 1
+
+
+# -- sums of squares of decoded values (the server's check pass: finiteness and the norm) -------
+# A block of a linear quantizer holds values lo + c * scale for integer codes c: its sum of
+# squares is n lo^2 + 2 lo scale sum(c) + scale^2 sum(c^2), from exact integer sums of its codes
+# (a vectorized integer pass). That is the norm of the exact values; each value the server adds
+# is that value rounded to fp32, so the two differ by ~1e-7 relative at most. Finiteness: where
+# the largest value the block's parameters allow is finite in fp32, every value is (c * scale +
+# lo is monotone in c, and so is its rounding); elsewhere the block's values are built one by one.
+@njit(inline="always")
+def _csums32(c, m):
+    """(sum, sum of squares) of ``c & m`` for at most 32,768 uint8 codes: int32 sums (255**2 *
+    32768 < 2**31), each step truncated (numba widens integer arithmetic), over a slice from 0:
+    the form LLVM vectorizes (AVX2 has no 64-bit multiply)."""
+    p1 = np.int32(0)
+    p2 = np.int32(0)
+    for j in range(c.shape[0]):
+        v = np.int32(np.int32(c[j]) & m)
+        p1 = np.int32(p1 + v)
+        p2 = np.int32(p2 + np.int32(v * v))
+    return p1, p2
+
+
+@njit(inline="always")
+def _csums(c, mask):
+    """(sum, sum of squares) of ``c & mask`` (uint8 codes), exact int64."""
+    m = np.int32(mask)
+    n = c.shape[0]
+    if n <= 32768:
+        p1, p2 = _csums32(c, m)
+        return np.int64(p1), np.int64(p2)
+    t1 = np.int64(0)
+    t2 = np.int64(0)
+    for a in range(0, n, 32768):
+        p1, p2 = _csums32(c[a:min(n, a + 32768)], m)
+        t1 += p1
+        t2 += p2
+    return t1, t2
+
+
+@njit(cache=True, nogil=True)
+def kbit_sq(codes, lo, scale, size, i0, i1, levels):
+    """Sum of squares over elements [i0, i1) of :func:`kbit`'s values (``levels``: the largest
+    code); inf or NaN exactly when one of those fp32 values is."""
+    b = i0 // size
+    i = i0
+    t = 0.0
+    top = _F32(levels)
+    while i < i1:
+        e = min(i1, (b + 1) * size)
+        sc = scale[b]
+        mn = lo[b]
+        c = codes[i:e]
+        if np.isfinite(mn) and np.isfinite(sc) and np.isfinite(top * sc + mn) and np.isfinite(top * sc):
+            t1, t2 = _csums(c, 255)
+            s64, m64 = np.float64(sc), np.float64(mn)
+            t += (e - i) * m64 * m64 + 2.0 * m64 * s64 * np.float64(t1) + s64 * s64 * np.float64(t2)
+        else:
+            for j in range(e - i):
+                v = np.float64(_F32(c[j]) * sc + mn)
+                t += v * v
+        i = e
+        b += 1
+    return t
+
+
+@njit(cache=True, nogil=True)
+def qsgd_sq(codes, unit, top, size, i0, i1):
+    """Sum of squares over elements [i0, i1) of :func:`qsgd`'s values (the sign does not change
+    a square): unit^2 sum(level^2) per block; inf or NaN exactly when a value is."""
+    mask = (1 << top) - 1
+    b = i0 // size
+    i = i0
+    t = 0.0
+    while i < i1:
+        e = min(i1, (b + 1) * size)
+        u = unit[b]
+        c = codes[i:e]
+        if np.isfinite(_F32(mask) * u):
+            t1, t2 = _csums(c, mask)
+            t += np.float64(u) * np.float64(u) * np.float64(t2)
+        else:
+            for j in range(e - i):
+                v = np.float64(_F32(np.int32(c[j]) & mask) * u)
+                t += v * v
+        i = e
+        b += 1
+    return t
+
+
+@njit(cache=True, nogil=True)
+def count_codes2(data, count):
+    """How many of the first ``count`` 2-bit codes (MSB first) take each value 0..3: four
+    counters per byte through a table (one pass over the bytes, not the codes)."""
+    n = np.zeros(4, dtype=np.int64)
+    full = count >> 2
+    hist = np.zeros(256, dtype=np.int64)
+    for j in range(full):
+        hist[data[j]] += 1
+    for v in range(256):
+        h = hist[v]
+        if h:
+            n[v >> 6] += h
+            n[(v >> 4) & 3] += h
+            n[(v >> 2) & 3] += h
+            n[v & 3] += h
+    for i in range(4 * full, count):
+        n[(data[i >> 2] >> (6 - 2 * (i & 3))) & 3] += 1
+    return n
 
 
 @njit(cache=True, nogil=True)
@@ -178,11 +305,39 @@ def add_f32(values, s, w):
         s[j] = _fma(w, np.float64(values[j]), s[j])
 
 
+@njit(inline="always")
+def _half(b, brain):
+    """fp32 value of fp16 (``brain`` False) or bf16 bits ``b`` (uint16): exact conversions, so
+    the values of the lookup table (torch's conversion) for every non-NaN pattern."""
+    return _f32_bits(np.int32(np.int32(b) << 16)) if brain else _half_f32(b)
+
+
 @njit(cache=True, nogil=True)
-def add_u16(bits16, table, s, w):
-    """s += w * float64(table[bits16]): fp16 / bf16 values through a 65,536-entry fp32 table."""
-    for j in range(bits16.shape[0]):
-        s[j] = _fma(w, np.float64(table[bits16[j]]), s[j])
+def add_half(bits16, brain, s, w):
+    """s += w * float64(value) of fp16 / bf16 bits, converted in the loop (vectorized) instead of
+    looked up in :func:`lut_u16`'s table: the same values for every pattern but NaNs, which the
+    check pass refuses before anything is added."""
+    if brain:
+        for j in range(bits16.shape[0]):
+            s[j] = _fma(w, np.float64(_half(bits16[j], True)), s[j])
+    else:
+        for j in range(bits16.shape[0]):
+            s[j] = _fma(w, np.float64(_half(bits16[j], False)), s[j])
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def half_sq(bits16, brain):
+    """Sum of float64(value)**2 of fp16 / bf16 bits (inf or NaN exactly when a value is)."""
+    t = 0.0
+    if brain:
+        for j in range(bits16.shape[0]):
+            v = np.float64(_half(bits16[j], True))
+            t += v * v
+    else:
+        for j in range(bits16.shape[0]):
+            v = np.float64(_half(bits16[j], False))
+            t += v * v
+    return t
 
 
 @njit(cache=True, nogil=True)
@@ -314,8 +469,8 @@ def _base(k0, i0):
 
 
 @njit(inline="always")
-def _u24(base, k1, j):
-    """u_(i0 + j) of the stream of key (k0, k1), base = _base(k0, i0) (uint32 each): see
+def _h32(base, k1, j):
+    """h_(i0 + j) of the stream of key (k0, k1), base = _base(k0, i0) (uint32 each): see
     :mod:`fedcomp.uniforms`. Every step is truncated to uint32 (numba widens integer
     arithmetic); loops over j vectorize with 32-bit multiplies (AVX2 has no 64-bit one)."""
     h = np.uint32(np.uint32(base + np.uint32(j) * _G) ^ k1)
@@ -323,8 +478,125 @@ def _u24(base, k1, j):
     h = np.uint32(h * _A)
     h = np.uint32(h ^ (h >> 15))
     h = np.uint32(h * _B)
-    h = np.uint32(h ^ (h >> 16))
-    return _F32(np.int32(h >> 8)) * _U24
+    return np.uint32(h ^ (h >> 16))
+
+
+@njit(inline="always")
+def _u24(base, k1, j):
+    """u_(i0 + j) = (h >> 8) / 2**24 (:func:`_h32`)."""
+    return _F32(np.int32(_h32(base, k1, j) >> 8)) * _U24
+
+
+_HBLOCK = 1 << 16  # hashes per step of smallest_hashes (a block's top bits fit one small buffer)
+
+
+@njit(cache=True, nogil=True)
+def smallest_hashes(k0, k1, n, k, out, sigmas):
+    """out[:k] = the positions of the k smallest (h_i, i) over i < n, ascending
+    (:func:`fedcomp.uniforms.smallest`); False (out undefined) where the band missed.
+
+    One pass where the hashes behave as uniforms: the k-th smallest h lies within ``sigmas``
+    binomial standard deviations of k / n * 2**32, so every position below that band is in, and
+    only the band's own (a few thousand) are ranked exactly. Per block of 65,536: the hashes in
+    a vectorized loop, then branch-free scans. If the band misses the k-th (for 8 sigmas, about
+    once in 10**15 draws), the caller runs :func:`smallest_exact` (two passes, the same answer;
+    called from here, it slowed this loop 5x)."""
+    if k == 0:
+        return True
+    p = k / n
+    spread = sigmas * math.sqrt(n * p * (1.0 - p)) + 64.0
+    lo = np.int64(max(0.0, math.floor((k - spread) / n * 4294967296.0)))
+    width = np.int64(min(4294967296.0, math.ceil((k + spread) / n * 4294967296.0))) - lo
+    hs = np.empty(_HBLOCK, dtype=np.uint32)
+    sel = np.empty(_HBLOCK, dtype=np.int64)
+    cut = np.empty(_HBLOCK, dtype=np.int64)
+    band = np.empty(4096, dtype=np.int64)
+    nb = 0
+    o = 0
+    for a in range(0, n, _HBLOCK):
+        m = min(n, a + _HBLOCK) - a
+        base = _base(k0, a)
+        h = hs[:m]
+        for j in range(m):  # vectorized: the hashes alone
+            h[j] = _h32(base, k1, j)
+        c = 0
+        d = 0
+        for j in range(m):  # branch-free: write always, advance where below / in the band
+            v = np.int64(h[j]) - lo
+            sel[c] = a + j
+            c += v < 0
+            cut[d] = (v << 31) + a + j
+            d += np.uint64(v) < np.uint64(width)
+        if o + c > k:
+            return False
+        out[o:o + c] = sel[:c]
+        o += c
+        if nb + d > band.shape[0]:
+            grown = np.empty(2 * (nb + d), dtype=np.int64)
+            grown[:nb] = band[:nb]
+            band = grown
+        band[nb:nb + d] = cut[:d]
+        nb += d
+    if o + nb < k:
+        return False
+    keys = np.sort(band[:nb])[:k - o]
+    _merge(out, o, np.sort(keys & ((1 << 31) - 1)), k)
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _merge(out, o, chosen, k):
+    """out[:k] = the ascending merge of out[:o] and ``chosen`` (k - o positions), in place."""
+    i = o - 1
+    j = chosen.shape[0] - 1
+    for w in range(k - 1, -1, -1):
+        if j < 0:
+            break
+        if i >= 0 and out[i] > chosen[j]:
+            out[w] = out[i]
+            i -= 1
+        else:
+            out[w] = chosen[j]
+            j -= 1
+
+
+@njit(cache=True, nogil=True)
+def smallest_exact(k0, k1, n, k, out):
+    """:func:`smallest_hashes` in two passes, whatever the hashes: a histogram of their top 16
+    bits finds the bin of the k-th smallest; the second pass keeps every position below that bin
+    and ranks the bin's own by (low bits, position)."""
+    hist = np.zeros(1 << 16, dtype=np.int64)
+    top = np.empty(_HBLOCK, dtype=np.uint32)
+    for a in range(0, n, _HBLOCK):
+        m = min(n, a + _HBLOCK) - a
+        base = _base(k0, a)
+        t = top[:m]
+        for j in range(m):
+            t[j] = _h32(base, k1, j) >> 16
+        for j in range(m):
+            hist[t[j]] += 1
+    cut = 0
+    below = 0
+    while below + hist[cut] < k:
+        below += hist[cut]
+        cut += 1
+    cand = np.empty(hist[cut], dtype=np.int64)  # (low 16 bits) * 2**31 + position
+    c = 0
+    o = 0
+    for a in range(0, n, _HBLOCK):
+        m = min(n, a + _HBLOCK) - a
+        base = _base(k0, a)
+        for j in range(m):
+            h = _h32(base, k1, j)
+            hb = np.int64(h >> 16)
+            if hb < cut:
+                out[o] = a + j
+                o += 1
+            elif hb == cut:
+                cand[c] = (np.int64(h & 0xFFFF) << 31) + a + j
+                c += 1
+    cand.sort()
+    _merge(out, o, np.sort(cand[:k - o] & ((1 << 31) - 1)), k)
 
 
 @njit(cache=True, nogil=True)
@@ -451,26 +723,21 @@ def _pack_flags(flags, out):
 
 
 @njit(cache=True, nogil=True)
-def count_code(data, count, code):
-    """How many of the first ``count`` 2-bit codes (MSB first) equal ``code``."""
-    n = 0
-    for i in range(count):
-        n += ((data[i >> 2] >> (6 - 2 * (i & 3))) & 3) == code
-    return n
-
-
-@njit(cache=True, nogil=True)
 def table2(codes, table, i0, i1, out, s, w, add):
     """value = table[code] for 2-bit codes (twobit, terngrad: +-t or 0 per code)."""
     c = codes[i0:i1]
+    t0, t1, t2, t3 = table[0], table[1], table[2], table[3]  # selects, not a gather: the loop vectorizes
     if add:
         t = s[:i1 - i0]
         for j in range(i1 - i0):
-            t[j] = _fma(w, np.float64(table[c[j]]), t[j])
+            cj = c[j]
+            v = t3 if cj == 3 else (t2 if cj == 2 else (t1 if cj == 1 else t0))
+            t[j] = _fma(w, np.float64(v), t[j])
     else:
         o = out[:i1 - i0]
         for j in range(i1 - i0):
-            o[j] = table[c[j]]
+            cj = c[j]
+            o[j] = t3 if cj == 3 else (t2 if cj == 2 else (t1 if cj == 1 else t0))
 
 
 @njit(cache=True, nogil=True)

@@ -45,6 +45,8 @@ from fedcomp.codec import Codec
 from fedcomp.errors import DecodeError, FedcompError
 
 CHUNK = 1 << 20  # elements per step of chunked loops: temporaries of 8 MB at most
+BATCH = 8  # replies whose fused adds share one pass over the float64 sum (Accumulator(batch=...))
+SUM_CHUNK = 1 << 18  # elements of the sum per step of that pass (2 MB of float64: in the cache)
 APPLY_CHUNK = 1 << 18  # elements per step of apply_step (three wide temporaries each: 5 MB)
 MAX_WEIGHT = float(2**53)  # largest weight accepted at all: beyond it counts are not exact in float64
 
@@ -227,10 +229,22 @@ class _Expanded:
         add = getattr(self.reducer, "add_range", None)
         return add is not None and add(self.values, self.aux, self.seg, lo, hi, target, weight)
 
+    def adder(self):
+        """``f(lo, hi, s, w)``: ``s += w * chunk(lo, hi)`` for a float64 numpy ``s`` in one fused
+        loop, or None (see :meth:`fedcomp.quantizers.Values.adder`)."""
+        make = getattr(self.reducer, "range_adder", None)
+        return None if make is None else make(self.values, self.aux, self.seg)
+
     def sq(self, lo: int, hi: int) -> float | None:
         """Sum of squares of ``chunk(lo, hi)`` without fresh memory where the reducer can
         (``sq_range``); None otherwise."""
         sq = getattr(self.reducer, "sq_range", None)
+        return None if sq is None else sq(self.values, self.aux, self.seg, lo, hi)
+
+    def sq_whole(self, lo: int, hi: int) -> float | None:
+        """Sum of squares of ``chunk(lo, hi)`` computed at once where the reducer can
+        (``sq_all``); None otherwise."""
+        sq = getattr(self.reducer, "sq_all", None)
         return None if sq is None else sq(self.values, self.aux, self.seg, lo, hi)
 
     def release(self) -> None:
@@ -256,7 +270,13 @@ def _fused_chunks(source, start: int, offset: int, numel: int, dtype: torch.dtyp
 
 def _square_chunks(source, start: int, offset: int, numel: int, dtype: torch.dtype):
     """:func:`_tensor_chunks` with each chunk's sum of squares (float) in place of its values
-    where ``source.sq`` computes it."""
+    where ``source.sq`` computes it; one float for the whole tensor where ``source.sq_whole``
+    does (PowerSGD: from its factors, without building a value)."""
+    whole = getattr(source, "sq_whole", None)
+    total = whole(offset, offset + numel) if whole is not None else None
+    if total is not None:
+        yield start + offset, total
+        return
     for i in range(0, numel, CHUNK):
         lo, hi = offset + i, offset + min(numel, i + CHUNK)
         sq = source.sq(lo, hi)
@@ -279,6 +299,7 @@ class Update:
     ints: dict[str, torch.Tensor]
     _norm: float | None = None
     lazy: list[tuple[int, object, list]] = field(default_factory=list)
+    nbytes: int = 0  # the payload it was read from (kept alive while the update waits in a batch)
 
     def _lazy_tensors(self, fused=None, squares: bool = False):
         """(name, chunks) per tensor of the lazy segments; chunks as :func:`_tensor_chunks`.
@@ -353,9 +374,21 @@ class Accumulator:
         The model's layout; every reply must match it.
     device : torch.device or str (default: ``"cpu"``)
         Where the running sum lives and replies are decoded.
+    batch : int (default: 8)
+        Dense replies (quantizer codes, PowerSGD factors) whose fused adds share one pass over
+        the float64 sum. A checked reply waits, compact (its codes are views of its payload),
+        until ``batch`` of them are there, their payloads reach the sum's size (8 bytes per
+        element: fp32 replies go two at a time), or the sum is read (:meth:`flush`); then each
+        chunk of the sum (2 MB, in the cache) takes every waiting reply in arrival order. The sum has the bits
+        of adding them one at a time (the same additions per element, in the same order); the
+        sum's memory traffic (16 bytes per element and pass, more than a 4-bit reply's 0.5) is
+        paid once per batch. 1: each reply is added when it arrives.
     """
 
-    def __init__(self, codec, layout, device: torch.device | str = "cpu") -> None:
+    def __init__(self, codec, layout, device: torch.device | str = "cpu", batch: int = BATCH) -> None:
+        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+            raise AggregationError(f"batch={batch!r}: replies added per pass over the sum must be an integer >= 1")
+        self.batch = int(batch)
         self.codec = codec
         self.layout = layout
         self.device = torch.device(device)
@@ -373,6 +406,8 @@ class Accumulator:
         # one float64 sum per tensor (freed tensor by tensor when the mean is applied)
         self._sums: dict[str, torch.Tensor] | None = None
         self._ints: dict[str, torch.Tensor] = {}
+        self._pending: list[tuple[Update, float]] = []  # checked dense replies not yet in the sum
+        self._pending_bytes = 0  # their payloads: at most one float64 sum's worth waits
         self._spent = False
         reducer = getattr(codec, "reducer", None)
         # scatter-add path: a selector whose dense form is "values at positions, zero elsewhere"
@@ -407,7 +442,7 @@ class Accumulator:
                            for i in group]
                 source = vals if codec.reducer is None else _Expanded(codec.reducer, vals, aux, seg)
                 lazy.append((self._offsets[tensors[0][0]][0], source, tensors))
-            update = Update([], {self.layout.tensors[i].name: t for i, t in raw.items()}, lazy=lazy)
+            update = Update([], {self.layout.tensors[i].name: t for i, t in raw.items()}, lazy=lazy, nbytes=len(payload))
             update.norm()  # builds every chunk once: non-finite values raise here, before anything is added
             return update
         else:
@@ -458,6 +493,17 @@ class Accumulator:
                           for name, (_, numel) in self._offsets.items()}
             self._ints = {t.name: torch.zeros(t.shape, dtype=torch.float64, device=self.device)
                           for t in self.layout.tensors if not t.is_float}
+        for name, t in update.ints.items():
+            self._ints[name].add_(t.to(self.device, torch.float64).view(self._ints[name].shape), alpha=w)
+        self.total_weight += w
+        self.count += 1
+        if self._batchable(update):
+            self._pending.append((update, w))
+            self._pending_bytes += update.nbytes
+            if len(self._pending) >= self.batch or self._pending_bytes >= 8 * self._numel:
+                self.flush()
+            return
+        self.flush()  # what waits goes first: every element's additions stay in arrival order
         for start, idx, vals in update.parts:
             if idx is not None:
                 self._scatter(idx.to(self.device) + start if start else idx.to(self.device), vals, w)
@@ -467,10 +513,44 @@ class Accumulator:
         for name, chunks in update._lazy_tensors(fused=(self._sums, w)):
             for start, v in chunks:  # what a fused loop did not add already
                 self._add_dense(self._sums[name], start - self._offsets[name][0], v.reshape(-1), w)
-        for name, t in update.ints.items():
-            self._ints[name].add_(t.to(self.device, torch.float64).view(self._ints[name].shape), alpha=w)
-        self.total_weight += w
-        self.count += 1
+
+    def _batchable(self, update: Update) -> bool:
+        """Whether ``update`` can wait for a batched pass: CPU sums, only lazy segments (no
+        positions or decoded values to hold), and a batch of more than one."""
+        return self.batch > 1 and self.device.type == "cpu" and not update.parts and bool(update.lazy)
+
+    def flush(self) -> None:
+        """Add the waiting replies (see ``batch``): per tensor, per chunk of its sum, every reply
+        in arrival order, each through its fused loop where it has one."""
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        if not pending:
+            return
+        plans = []  # per reply: tensor name -> (adder or None, source, offset in the segment, dtype)
+        for update, w in pending:
+            plan = {}
+            for _, source, tensors in update.lazy:
+                offset = 0
+                for name, numel, dtype in tensors:
+                    fused = dtype in (torch.float32, torch.float64) and hasattr(source, "adder")
+                    plan[name] = (source.adder() if fused else None, source, offset, dtype)
+                    offset += numel
+            plans.append((plan, w))
+        for name, (_, numel) in self._offsets.items():
+            target = self._sums[name]
+            host = target.numpy()
+            for i in range(0, numel, SUM_CHUNK):
+                j = min(numel, i + SUM_CHUNK)
+                for plan, w in plans:
+                    add, source, offset, dtype = plan[name]
+                    if add is not None:
+                        add(offset + i, offset + j, host[i:j], w)
+                    else:
+                        target[i:j].add_(source.chunk(offset + i, offset + j).to(dtype).reshape(-1), alpha=w)
+        for update, _ in pending:
+            for _, source, _ in update.lazy:
+                release = getattr(source, "release", None)
+                if release is not None:
+                    release()
 
     def _add_dense(self, target: torch.Tensor, local: int, flat: torch.Tensor, w: float) -> None:
         for i in range(0, flat.numel(), CHUNK):  # the float64 temporaries stay chunk-sized
@@ -499,6 +579,7 @@ class Accumulator:
 
     # -- results -------------------------------------------------------------------------------
     def _need(self) -> None:
+        self.flush()
         if self._spent:
             raise AggregationError("the accumulator's mean was taken already; reset() it for the next round")
         if not self.total_weight > 0 or self._sums is None:
@@ -508,6 +589,7 @@ class Accumulator:
         """The weighted sum so far, per tensor (float64)."""
         if self._spent:
             raise AggregationError("the accumulator's mean was taken already; reset() it for the next round")
+        self.flush()
         if self._sums is None:
             return {t.name: torch.zeros(t.shape, dtype=torch.float64, device=self.device) for t in self.layout.tensors}
         return {t.name: (self._sums[t.name] if t.is_float else self._ints[t.name]).view(t.shape).clone()
@@ -556,6 +638,7 @@ class Accumulator:
 
     def reset(self) -> None:
         """An empty sum for the next round (buffers are allocated at the first reply)."""
+        self._pending, self._pending_bytes = [], 0
         if self._sums is not None:
             for v in (*self._sums.values(), *self._ints.values()):
                 v.zero_()

@@ -112,6 +112,7 @@ class Stage:
     budget_args: ClassVar[dict[str, Any]] = {}  # arguments a budgeted stage is forced to (exact selection)
     cross_device: ClassVar[dict[str, Any]] = {}  # defaults when each client takes part now and then
     feedback: ClassVar[bool] = True  # error feedback applies (may be a property where a parameter decides)
+    wire_version: ClassVar[int] = 1  # payload format version its payloads carry (it reads all up to it)
 
     def __init__(self, config: Any) -> None:
         self.config = config

@@ -119,6 +119,8 @@ class Codec:
         self.quantizer: Quantizer = stages[-1] if kinds[-1] == "quantizer" else self.reducer.default_quantizer()  # type: ignore[union-attr,assignment]
         self.spec = "+".join(s.canonical() for s in stages)
         self.fingerprint = zlib.crc32(self.spec.encode())
+        # payloads carry the newest format a stage writes; older formats of it still decode
+        self.wire_version = max(s.wire_version for s in stages)
 
     @property
     def selector(self) -> Reducer | None:
@@ -239,7 +241,7 @@ class Codec:
             if not spec.is_float:
                 out.tensor(values[i])
                 exact[spec.name] = values[i].detach().clone()
-        payload = out.getvalue(layout.fingerprint(), self.fingerprint, ctx.nonce)
+        payload = out.getvalue(layout.fingerprint(), self.fingerprint, ctx.nonce, self.wire_version)
         decode = None if sparse else (lambda: self.decode(payload, layout, device, round=round))
         return Encoded(payload, LazyDecoded(layout, decode, kept_values, exact), tuple(kept), tuple(side_bytes))
 
@@ -311,7 +313,8 @@ class Codec:
 
     def _decode(self, payload, layout, device, round, expand, lazy=False):
         check_decodable(layout)
-        src, nonce = open_payload(payload, layout.fingerprint(), self.fingerprint)
+        src, nonce = open_payload(payload, layout.fingerprint(), self.fingerprint,
+                                  tuple(range(1, self.wire_version + 1)))
         try:
             return self._decode_body(src, StageContext(nonce, round), layout, device, expand, lazy)
         except FedcompError:

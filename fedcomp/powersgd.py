@@ -253,6 +253,43 @@ class PowerSGD(Reducer):
         k.lowrank(*self._host_factors(values, n, m, r), r, m, lo, hi, _NO32, target.numpy(), float(weight), True)
         return True
 
+    def range_adder(self, values: torch.Tensor, aux: Any, seg: Segment):
+        """``f(lo, hi, s, w)``: :meth:`add_range` into a float64 numpy ``s``, with the factors
+        prepared once (a server adding many short ranges); None where there is no fused loop."""
+        k = kernels.get() if values.device.type == "cpu" else None
+        if k is None:
+            return None
+        f = self.factors(seg)
+        if f is None:
+            flat = values.numpy()
+            return lambda lo, hi, s, w: k.add_f32(flat[lo:hi], s, w)
+        n, m, r = f
+        p, qt = self._host_factors(values, n, m, r)
+        return lambda lo, hi, s, w: k.lowrank(p, qt, r, m, lo, hi, _NO32, s, w, True)
+
+    def sq_all(self, values: torch.Tensor, aux: Any, seg: Segment, lo: int, hi: int) -> float | None:
+        """||P Q^T||_F^2 of the whole segment from its factors, sum((P^T P) * (Q^T Q)) in float64:
+        O((n + m) r^2) instead of building n m values. NaN where a factor is not finite (then
+        some value of P Q^T is: every value takes a product with each factor entry of its row
+        and column); None (build the values) for a range, for raw values, and where
+        r max|P| max|Q| comes near fp32's largest value (a value could overflow to inf). It is
+        the norm of the exact product, within ~1e-7 relative of the fp32 values' norm (each
+        value is rounded to fp32; the server adds the rounded values)."""
+        f = self.factors(seg)
+        if f is None:
+            return None
+        n, m, r = f
+        if (lo, hi) != (0, n * m):
+            return None
+        p = values[: n * r].view(n, r).double()
+        q = values[n * r:].view(m, r).double()
+        bound = r * float(p.abs().max()) * float(q.abs().max())
+        if not math.isfinite(bound):
+            return math.nan
+        if bound > 2.0 ** 127:
+            return None
+        return float(((p.t() @ p) * (q.t() @ q)).sum())
+
     def sq_range(self, values: torch.Tensor, aux: Any, seg: Segment, lo: int, hi: int) -> float | None:
         """Sum of squares (float64) of ``expand_range(...)`` built in a reused buffer (CPU kernels;
         None where there are none)."""

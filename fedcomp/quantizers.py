@@ -271,6 +271,12 @@ class Values:
         self._add(lo, hi, target.numpy(), float(weight))
         return True
 
+    def adder(self):
+        """The fused add as ``f(lo, hi, s, w)`` (``s``: a float64 numpy slice of ``hi - lo``), for a
+        caller that adds many short ranges (:class:`fedcomp.aggregate.Accumulator`'s batched
+        pass); None where there is no such loop."""
+        return self._add if self._add is not None and self.device.type == "cpu" else None
+
     @classmethod
     def of(cls, values: torch.Tensor) -> "Values":
         """Values already dequantized (quantizers without a chunked reader)."""
@@ -314,13 +320,18 @@ def _ternary(src: Reader, count: int, device: torch.device, bad: int, message: s
     k = kernels.get()
     data = src.take(packed_bytes(count, 2))
     raw = data.numpy()
-    if k.count_code(raw, count, bad):
+    if k.count_codes2(raw, count)[bad]:
         raise DecodeError(message)
     codes, values = _Codes(data, count, 2), np.array(table, dtype=np.float32)
+    squares = values.astype(np.float64) ** 2
 
     def run(a, b, i0, i1, out, s, w, add):
         k.table2(codes.host(a, b, k), values, i0, i1, out, s, w, add)
-    return _fused(count, 4, device, run)
+
+    def sq(a, b, i0, i1):  # a value per code: how many of each code x its square
+        counts = k.count_codes2(raw[a // 4:], i1) - k.count_codes2(raw[a // 4:], i0)  # a: a whole byte
+        return float(np.dot(counts.astype(np.float64), squares))
+    return _fused(count, 4, device, run, sq)
 
 
 def read_values(quantizer: Quantizer, src: Reader, count: int, device: torch.device) -> Values:
@@ -372,9 +383,10 @@ _NO32 = np.empty(0, dtype=np.float32)
 _NO64 = np.empty(0, dtype=np.float64)
 
 
-def _fused(count: int, unit: int, device: torch.device, run) -> Values:
+def _fused(count: int, unit: int, device: torch.device, run, sq_run=None) -> Values:
     """:class:`Values` whose every path is a kernel call ``run(a, b, i0, i1, out, s, w, add)`` over
-    elements [a + i0, a + i1), ``a`` a multiple of ``unit`` (CPU only)."""
+    elements [a + i0, a + i1), ``a`` a multiple of ``unit`` (CPU only); ``sq_run(a, b, i0, i1)``,
+    where given, returns their sum of squares without building them."""
     k = kernels.get()
 
     def into(lo: int, hi: int, out: np.ndarray) -> None:
@@ -391,6 +403,8 @@ def _fused(count: int, unit: int, device: torch.device, run) -> Values:
 
     def sq(lo: int, hi: int) -> float:
         a = lo - lo % unit
+        if sq_run is not None:
+            return float(sq_run(a, hi, lo - a, hi - a))
         buf = kernels.scratch(hi - a, np.float32)
         into(a, hi, buf)
         return float(k.sumsq(buf[lo - a:]))
@@ -493,17 +507,16 @@ class _HalfFloat(Quantizer):
         data = src.take(2 * count)
         if device.type == "cpu" and (k := kernels.get()) is not None:
             raw, table = data.numpy(), _half_table(self.dtype)
+            brain = self.dtype == torch.bfloat16
 
             def add(lo: int, hi: int, s: np.ndarray, w: float) -> None:
-                k.add_u16(raw[2 * lo:2 * hi].view(np.uint16), table, s, w)
+                k.add_half(raw[2 * lo:2 * hi].view(np.uint16), brain, s, w)
 
             def into(lo: int, hi: int, out: np.ndarray) -> None:
                 k.lut_u16(raw[2 * lo:2 * hi].view(np.uint16), table, out)
 
             def sq(lo: int, hi: int) -> float:
-                buf = kernels.scratch(hi - lo, np.float32)
-                into(lo, hi, buf)
-                return float(k.sumsq(buf))
+                return float(k.half_sq(raw[2 * lo:2 * hi].view(np.uint16), brain))
 
             def build(lo: int, hi: int) -> torch.Tensor:
                 out = torch.empty(hi - lo, dtype=torch.float32)
@@ -725,7 +738,15 @@ class Sign(Quantizer):
 
             def run(a, b, i0, i1, out, s, w, add):  # a: a multiple of 8 elements and of the block
                 k.sign(flags.host(a, b, k), sc[a // size:], size, i0, i1, out, s, w, add)
-            return _fused(count, unit, device, run)
+
+            def sq(a, b, i0, i1):  # every value is +-scale: elements per block x scale**2
+                lo, hi = a + i0, a + i1
+                first = lo // size
+                edges = np.arange(first, (hi - 1) // size + 2, dtype=np.int64) * size
+                edges[0], edges[-1] = lo, hi
+                scales = sc[first:first + edges.size - 1].astype(np.float64)
+                return float(np.dot(np.diff(edges).astype(np.float64), scales * scales))
+            return _fused(count, unit, device, run, sq)
         return Values(count, unit, build, device)
 
 
@@ -953,7 +974,11 @@ class KBit(_EntropyCoded, Quantizer):
 
             def run(a, b, i0, i1, out, s, w, add):
                 k.kbit(codes.host(a, b, k), lo_np[a // size:], scale_np[a // size:], size, i0, i1, out, s, w, add)
-            return _fused(count, unit, device, run)
+
+            def sq(a, b, i0, i1):
+                return k.kbit_sq(codes.host(a, b, k), lo_np[a // size:], scale_np[a // size:], size, i0, i1,
+                                 (1 << self.config.bits) - 1)
+            return _fused(count, unit, device, run, sq)
         return Values(count, unit, build, device)
 
 
@@ -1099,7 +1124,10 @@ class QSGD(_EntropyCoded, Quantizer):
 
             def run(a, b, i0, i1, out, s, w, add):
                 k.qsgd(codes.host(a, b, k), per_level[a // size:], top, size, i0, i1, out, s, w, add)
-            return _fused(count, unit, device, run)
+
+            def sq(a, b, i0, i1):
+                return k.qsgd_sq(codes.host(a, b, k), per_level[a // size:], top, size, i0, i1)
+            return _fused(count, unit, device, run, sq)
         return Values(count, unit, build, device)
 
 

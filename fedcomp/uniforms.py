@@ -26,6 +26,7 @@ path encoded it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 G = 0x9E3779B9  # Weyl increment (2**32 / golden ratio, odd)
@@ -55,6 +56,49 @@ def reference(key: tuple[int, int], i: int) -> float:
     return (h >> 8) * SCALE
 
 
+def smallest(key: tuple[int, int], n: int, k: int, sigmas: float = 8.0) -> torch.Tensor:
+    """The k positions in [0, n) of the smallest 32-bit hashes h_i of the stream ``key`` (the h
+    of u_i = (h >> 8) / 2**24), ties broken by position, ascending (int64, CPU): a uniformly
+    random k-subset, the same one on every path. A fused loop where numba is loaded (one pass:
+    every position whose hash lies below a band of ``sigmas`` binomial deviations around the
+    expected k-th is in, the band's own are ranked; two exact passes in the rare case the band
+    misses, ``sigmas=0`` forces them in tests); otherwise torch ops (``torch.topk`` over keys
+    h * 2**31 + i).
+    Why not ``randperm(n)[:k]``: it costs ~280 read passes of a 25M-element update on one thread,
+    for the encoder and again for the decoder, and its stream is torch's, not ours."""
+    if not 0 <= k <= n < 1 << 31:
+        raise ValueError(f"k={k}, n={n}: need 0 <= k <= n < 2**31")
+    from fedcomp import kernels
+
+    k_ = kernels.get()
+    if k_ is not None:
+        out = np.empty(k, dtype=np.int64)
+        k0, k1 = np.uint32(key[0]), np.uint32(key[1])
+        if not k_.smallest_hashes(k0, k1, n, k, out, float(sigmas)):
+            k_.smallest_exact(k0, k1, n, k, out)
+        return torch.from_numpy(out)
+    h = _mix(key, 0, n, torch.device("cpu")).to(torch.int64).bitwise_and_(M32)
+    h.bitwise_left_shift_(31).add_(torch.arange(n, dtype=torch.int64))
+    keys = torch.topk(h, k, largest=False, sorted=False).values if k < n else h
+    return keys.bitwise_and_((1 << 31) - 1).sort().values
+
+
+def _mix(key: tuple[int, int], start: int, n: int, device: torch.device, work: torch.Tensor | None = None) -> torch.Tensor:
+    """h_(start + j) for j < n: the 32-bit hashes, as int32 (their bits) in ``work`` or fresh."""
+    k0, k1 = key
+    if work is None or work.numel() < 2 * n or work.dtype != torch.int32:
+        work = torch.empty(2 * n, dtype=torch.int32, device=device)
+    h, t = work[:n], work[n:2 * n]
+    torch.arange(0, n, dtype=torch.int32, device=device, out=h)
+    h.mul_(_s32(G)).add_(_s32((k0 + start * G) & M32)).bitwise_xor_(_s32(k1))  # k0 + (start + j) G
+    for shift, mul in ((16, A), (15, B), (16, None)):
+        torch.bitwise_right_shift(h, shift, out=t).bitwise_and_(M32 >> shift)
+        h.bitwise_xor_(t)
+        if mul is not None:
+            h.mul_(_s32(mul))
+    return h
+
+
 def fill(key: tuple[int, int], start: int, out: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
     """out[j] = u_(start + j) (``out``: fp32, any device) with torch int32 ops. ``work``: a
     reused int32 buffer of at least 2 * len(out) elements on out's device (fresh temporaries
@@ -65,17 +109,7 @@ def fill(key: tuple[int, int], start: int, out: torch.Tensor, work: torch.Tensor
     n = out.numel()
     if n == 0:
         return out
-    k0, k1 = key
-    if work is None or work.numel() < 2 * n or work.dtype != torch.int32:
-        work = torch.empty(2 * n, dtype=torch.int32, device=out.device)
-    h, t = work[:n], work[n:2 * n]
-    torch.arange(0, n, dtype=torch.int32, device=out.device, out=h)
-    h.mul_(_s32(G)).add_(_s32((k0 + start * G) & M32)).bitwise_xor_(_s32(k1))  # k0 + (start + j) G
-    for shift, mul in ((16, A), (15, B), (16, None)):
-        torch.bitwise_right_shift(h, shift, out=t).bitwise_and_(M32 >> shift)
-        h.bitwise_xor_(t)
-        if mul is not None:
-            h.mul_(_s32(mul))
+    h = _mix(key, start, n, out.device, work)
     h.bitwise_right_shift_(8).bitwise_and_(M32 >> 8)
     return out.copy_(h).mul_(SCALE)
 

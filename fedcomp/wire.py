@@ -149,6 +149,9 @@ def open_payload(
     if magic != MAGIC:
         raise DecodeError(f"not a fedcomp payload (magic {magic!r}, expected {MAGIC!r})")
     if version not in versions:
+        if cfp != codec_fp:  # formats differ per codec (randomk writes 2): the codec is the news
+            raise DecodeError(f"payload was encoded by another codec (fingerprint {cfp:#010x}, expected "
+                              f"{codec_fp:#010x}; format version {version})")
         readable = ", ".join(str(v) for v in versions)
         raise DecodeError(f"payload format version {version}, this decoder reads version {readable}")
     (crc,) = _U32.unpack_from(view, len(view) - 4)

@@ -7,7 +7,11 @@ process, the median of ``--repeats`` timings of
 * ``read``: ``x.sum()`` over the same elements (the unit, re-measured beside every row);
 * ``encode``: ``Codec.encode(tensors)`` (bytes out; ``Encoded.decoded`` is lazy and not built);
 * ``decode``: ``Codec.decode(payload, layout)`` (dense tensors out);
-* ``decode+acc``: :meth:`fedcomp.aggregate.Accumulator.add` (decode one reply into a running sum).
+* ``decode+acc``: per reply, :meth:`fedcomp.aggregate.Accumulator.add` of a batch of replies (8,
+  the accumulator's default ``batch``: a server adds many per round) and the pass that adds them
+  (:meth:`~fedcomp.aggregate.Accumulator.flush`); ``acc x1`` adds one reply alone (``batch=1``).
+  Sketches are summed the way the ServerApp does (:class:`fedcomp.server_feedback.ServerFeedback`,
+  tables added per reply; its once-a-round heavy-hitter step is timed apart, ``step``).
 
 Peers measured in the same process: ``y.copy_(x)`` (a copy into existing memory), the fp32
 update added into a float64 running sum chunk by chunk (the memory traffic any decode + add pays),
@@ -103,12 +107,44 @@ def _unit(flat: list[torch.Tensor], repeats: int, device: torch.device) -> float
     return _median_time(lambda: sum(float(t.sum()) for t in flat), max(repeats, 5), device)
 
 
-def _row(name, layout_name, device, size, read, t_enc, t_dec=None, t_acc=None, target=None, payload=None, kind="codec"):
+REPLIES = 8  # replies per batch in the decode+acc column (Accumulator's default batch)
+
+
+def _adders(codec, layout, device: torch.device, payload: bytes):
+    """(add a batch of REPLIES replies, add one reply alone, the once-a-round step or None): the
+    path the ServerApp takes for this codec (linear sketches: ServerFeedback's table sum)."""
+    if getattr(codec, "reducer", None) is not None and getattr(codec.reducer, "linear", False):
+        from fedcomp.server_feedback import ServerFeedback
+
+        fb = ServerFeedback(codec, layout)
+
+        def add_batch():
+            for _ in range(REPLIES):
+                fb.add(payload, 1.0)
+
+        def step():
+            fb.step()
+            fb.add(payload, 1.0)  # the next step has a round to take
+        return add_batch, lambda: fb.add(payload, 1.0), step
+    acc = Accumulator(codec, layout, device=device, batch=REPLIES)
+    one = Accumulator(codec, layout, device=device, batch=1)
+
+    def add_batch():
+        for _ in range(REPLIES):
+            acc.add(payload, 1.0)
+        acc.flush()
+    return add_batch, lambda: one.add(payload, 1.0), None
+
+
+def _row(name, layout_name, device, size, read, t_enc, t_dec=None, t_acc=None, target=None, payload=None, kind="codec",
+         t_acc1=None):
     row = {"layout": layout_name, "size": size, "device": str(device), "codec": name, "kind": kind, "read_s": read,
            "encode_s": t_enc, "encode_x": t_enc / read, "encode_target_x": target}
     if t_dec is not None:
         row.update(decode_s=t_dec, decode_x=t_dec / read, decode_acc_s=t_acc, decode_acc_x=t_acc / read,
                    decode_acc_target_x=DECODE_TARGET, payload_bytes=payload)
+    if t_acc1 is not None:
+        row.update(decode_acc1_s=t_acc1, decode_acc1_x=t_acc1 / read)
     return row
 
 
@@ -117,8 +153,9 @@ def _print(row: dict) -> None:
     mark = "" if target is None else ("ok" if row["encode_x"] <= target else f"MISSES {target:g}x")
     dec = (f"{row['decode_x']:8.1f}x | {row['decode_acc_x']:8.1f}x{'' if row['decode_acc_x'] <= DECODE_TARGET else '*'}"
            if "decode_x" in row else f"{'':>9} | {'':>10}")
-    print(f"| {row['codec']:44s} | {row['encode_x']:7.1f}x | {dec:22s} | {row['encode_s'] * 1e3:10.1f} ms | {mark:11s} |",
-          flush=True)
+    one = f"{row['decode_acc1_x']:6.1f}x" if "decode_acc1_x" in row else f"{'':7}"
+    print(f"| {row['codec']:44s} | {row['encode_x']:7.1f}x | {dec:22s} | {one} | {row['encode_s'] * 1e3:10.1f} ms | "
+          f"{mark:11s} |", flush=True)
 
 
 def _hook_math(m: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> None:
@@ -180,15 +217,22 @@ def bench_layout(layout_name: str, tensors: dict[str, torch.Tensor], device: tor
     rows = []
     for spec, target in codecs:
         codec = fedcomp.build_codec(spec)
-        acc = Accumulator(codec, layout, device=device)
         enc = codec.encode(tensors, nonce=1, round=1)  # warm-up (and lazy initialisation)
         codec.decode(enc.payload, layout, device)
+        add_batch, add_one, step = _adders(codec, layout, device, enc.payload)
+        add_one()
         read = _unit(flat, repeats, device)  # the unit beside every codec: the machine's load drifts
         t_enc = _median_time(lambda: codec.encode(tensors, nonce=1, round=1), repeats, device)
         t_dec = _median_time(lambda: codec.decode(enc.payload, layout, device), repeats, device)
-        t_acc = _median_time(lambda: acc.add(enc.payload, 1.0), repeats, device)
+        t_acc = _median_time(add_batch, repeats, device) / REPLIES
+        t_acc1 = _median_time(add_one, repeats, device)
         read = min(read, _unit(flat, repeats, device))
-        rows.append(_row(spec, layout_name, device, size, read, t_enc, t_dec, t_acc, target, len(enc.payload)))
+        rows.append(_row(spec, layout_name, device, size, read, t_enc, t_dec, t_acc, target, len(enc.payload),
+                         t_acc1=t_acc1))
+        if step is not None:
+            t_step = _median_time(step, repeats, device)
+            rows[-1].update(round_step_s=t_step, round_step_x=t_step / read)
+            print(f"|   {spec}: once a round, ServerFeedback.step (unsketch + top-k) {t_step / read:.1f}x")
         _print(rows[-1])
         if spec == ZERO_HEAVY:
             g = torch.Generator().manual_seed(1)
@@ -276,8 +320,8 @@ def main(argv=None) -> None:
                             {n: (torch.randn(s, generator=g) * 0.01).to(device) for n, s in resnet50_shapes()}))
         for name, tensors in layouts:
             print(f"\n== {device} | {name} | unit: one read pass x.sum() ==")
-            print(f"| {'operation':44s} |   encode |    decode | decode+acc |   encode time | target      |")
-            print(f"|{'-' * 46}|---------:|----------:|-----------:|--------------:|-------------|")
+            print(f"| {'operation':44s} |   encode |    decode | decode+acc | acc x1  |   encode time | target      |")
+            print(f"|{'-' * 46}|---------:|----------:|-----------:|--------:|--------------:|-------------|")
             if with_peers:
                 peer_rows += peers(name, torch.cat([t.reshape(-1) for t in tensors.values()]), device, args.repeats)
             rows += bench_layout(name, tensors, device, args.repeats, codecs)

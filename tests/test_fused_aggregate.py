@@ -33,6 +33,7 @@ def _model(seed: int) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def small_chunks(monkeypatch):
     monkeypatch.setattr(aggregate, "CHUNK", 256)  # pieces start inside tensors, ragged last ones
+    monkeypatch.setattr(aggregate, "SUM_CHUNK", 200)  # the batched pass, in several chunks per tensor
     monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 100)
 
 
@@ -46,7 +47,9 @@ def test_fused_sum_equals_dense_decode(spec, small_chunks):
         update = fused.decode(payload, round=1)
         assert update.lazy and not update.parts  # nothing dense held between check and add
         reference = dense.dense_update(codec.decode(payload, layout, round=1))  # the dense path
-        assert update.norm() == reference.norm()
+        # the check pass takes squares from exact sums of codes (linear quantizers), counts (sign,
+        # ternary codes) or factors (PowerSGD): the exact values' norm, ~1e-7 from the fp32 values'
+        assert update.norm() == pytest.approx(reference.norm(), rel=1e-6)
         fused.add_update(update, weight)
         dense.add_update(reference, weight)
     got, want = fused.sum(), dense.sum()
@@ -54,6 +57,43 @@ def test_fused_sum_equals_dense_decode(spec, small_chunks):
     ref = _model(0)
     got, want = fused.apply_mean(ref), dense.apply_mean(ref)
     assert all(torch.equal(got[k], want[k]) and got[k].dtype == ref[k].dtype for k in ref)
+
+
+@pytest.mark.parametrize("spec", ["kbit(bits=4)", "qsgd(bits=3,bucket=77)", "sign()", "none()", "powersgd(rank=2)", "terngrad()"])
+def test_batched_adds_have_the_bits_of_one_at_a_time(spec, small_chunks):
+    """Replies waiting for a shared pass over the sum (any batch, a dense reply cutting in, a
+    reset between rounds) give the sum adding each on arrival gives, bit for bit."""
+    codec = fedcomp.build_codec(spec)
+    layout = fedcomp.Layout.of(_model(0))
+    payloads = [codec.encode(_model(i), nonce=i, round=1, state={}).payload for i in range(1, 7)]
+    weights = [1, 3, 0.3, 1e-7, 2, 5]
+    dense = codec.decode(payloads[2], layout, round=1)
+    sums = []
+    for batch in (1, 2, 4, 8):
+        acc = Accumulator(codec, layout, batch=batch)
+        acc.add(payloads[0], 9)
+        acc.reset()  # a waiting reply of the last round does not leak into this one
+        for i, (payload, w) in enumerate(zip(payloads, weights)):
+            acc.add(payload, w)
+            if i == 3:
+                acc.add_dense(dense, 0.5)  # not batchable: what waits is added first
+        assert len(acc._pending) == (0 if batch == 1 or spec == "none()" else (len(payloads) - 4) % batch)
+        sums.append(acc.sum())
+        assert not acc._pending and acc.count == len(payloads) + 1
+    assert all(torch.equal(s[k], sums[0][k]) for s in sums[1:] for k in sums[0])
+
+
+def test_batch_is_checked_and_fp32_replies_wait_two_at_a_time():
+    codec = fedcomp.build_codec("none()")
+    layout = fedcomp.Layout.of(_model(0))
+    for bad in (0, -1, 2.5, True, "8"):
+        with pytest.raises(aggregate.AggregationError, match="batch="):
+            Accumulator(codec, layout, batch=bad)
+    acc = Accumulator(codec, layout, batch=8)
+    acc.add(codec.encode(_model(1), nonce=1).payload, 1)
+    assert len(acc._pending) == 1
+    acc.add(codec.encode(_model(2), nonce=2).payload, 1)  # two fp32 payloads: a float64 sum's bytes
+    assert not acc._pending
 
 
 @pytest.mark.parametrize("spec", ["kbit(bits=3,block=100)", "qsgd(bits=4,bucket=77)", "sign(block=9)", "fp16()", "none()"])

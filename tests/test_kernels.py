@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -63,8 +64,10 @@ def test_kernels_give_the_torch_paths_bits(spec, monkeypatch):
             assert torch.equal(_bits(a[name]), _bits(b[name])), name
     for name in ref[2]:  # FMA like torch's add_(alpha=w): the same sum for non-integer weights too
         assert torch.equal(_bits(ref[2][name]), _bits(got[2][name])), name
-    for a, b in zip(ref[1], got[1]):  # reduction order differs: the last bits only
-        assert math.isclose(a, b, rel_tol=1e-12)
+    # the kernels' check pass takes linear quantizers' squares from exact sums of their codes: the
+    # exact values' norm, which the fp32 values' (each within 2**-24 relative) match to ~1e-7
+    for a, b in zip(ref[1], got[1]):
+        assert math.isclose(a, b, rel_tol=1e-6)
 
 
 def test_kernel_norm_refuses_non_finite(monkeypatch):
@@ -155,3 +158,43 @@ def test_unused_two_bit_code_is_refused_before_adding(spec, code, monkeypatch):
     with pytest.raises(fedcomp.DecodeError, match="unused code"):
         acc.add(bytes(body), 1.0)
     assert torch.equal(acc.sum()["x"], before) and acc.count == 1
+
+
+def test_square_sums_of_codes_are_the_values_and_see_overflow():
+    """The check pass's closed forms (exact integer sums of codes) against the fp32 values one by
+    one; a block whose values overflow fp32 gives inf, one that only comes near does not."""
+    k = kernels.get()
+    g = np.random.default_rng(0)
+    codes = g.integers(0, 16, 3000).astype(np.uint8)
+    lo = g.normal(size=12).astype(np.float32)
+    scale = g.random(12).astype(np.float32)
+    values = codes.astype(np.float32) * np.repeat(scale, 256)[:3000] + np.repeat(lo, 256)[:3000]
+    want = float(np.sum(values.astype(np.float64) ** 2))
+    assert math.isclose(k.kbit_sq(codes, lo, scale, 256, 0, 3000, 15), want, rel_tol=1e-6)
+    assert math.isclose(k.kbit_sq(codes, lo, scale, 256, 700, 2900, 15),
+                        float(np.sum(values[700:2900].astype(np.float64) ** 2)), rel_tol=1e-6)
+    unit = g.random(12).astype(np.float32)
+    levels = (codes & 7).astype(np.float32) * np.repeat(unit, 256)[:3000]
+    assert math.isclose(k.qsgd_sq(codes, unit, 3, 256, 0, 3000), float(np.sum(levels.astype(np.float64) ** 2)),
+                        rel_tol=1e-6)
+    big_lo, big_scale = np.array([-1e38], np.float32), np.array([3e37], np.float32)
+    assert math.isinf(k.kbit_sq(np.array([15], np.uint8), big_lo, big_scale, 256, 0, 1, 15))  # 15 x 3e37 overflows
+    assert k.kbit_sq(np.array([0, 1], np.uint8), big_lo, big_scale, 256, 0, 2, 15) == pytest.approx(1e76 + 4.9e75, rel=1e-6)  # -1e38, -7e37: finite
+    assert math.isinf(k.qsgd_sq(np.array([7], np.uint8), np.array([1e38], np.float32), 3, 256, 0, 1))
+    assert math.isfinite(k.qsgd_sq(np.array([1], np.uint8), np.array([1e38], np.float32), 3, 256, 0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_conversions_in_the_loop_equal_torchs_for_every_pattern(dtype):
+    """fp16 / bf16 values converted inside the add and square loops (F16C, a shift) are torch's
+    for all 65,536 bit patterns but NaNs (refused by the check pass before any add)."""
+    k = kernels.get()
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = quantizers._half_table(dtype).astype(np.float64)
+    ok = ~np.isnan(want)
+    s = np.zeros(1 << 16)
+    k.add_half(bits, dtype == torch.bfloat16, s, 1.0)
+    assert np.array_equal(s[ok], want[ok]) and np.isnan(s[~ok]).all()
+    finite = np.isfinite(want)
+    assert k.half_sq(bits[finite], dtype == torch.bfloat16) == pytest.approx(float(np.sum(want[finite] ** 2)), rel=1e-12)
+    assert math.isinf(k.half_sq(bits[~np.isnan(want) & ~finite], dtype == torch.bfloat16))

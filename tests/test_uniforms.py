@@ -11,6 +11,7 @@ import torch
 
 import fedcomp
 from fedcomp import kernels, quantizers, uniforms
+from fedcomp.sparsifiers import RandomK
 from fedcomp.wire import Writer
 
 KEYS = [(0, 0), (0xDEADBEEF, 0x12345678), (0xFFFFFFFF, 0xFFFFFFFF), (1, 0x80000000)]
@@ -159,3 +160,47 @@ def test_terngrad_scale_is_the_clipped_max_and_codes_follow_the_bound():
     assert math.isclose(float(y.abs().max()), float(bound), rel_tol=1e-6)
     assert set(y.unique().tolist()) <= {0.0, float(y.abs().max()), -float(y.abs().max())}
     assert float(y[7]) == float(y.abs().max())  # |x| >= bound: sent with probability 1
+
+
+@pytest.mark.parametrize("n,k", [(10, 0), (10, 10), (10, 9), (1000, 7), (70000, 3000), (1 << 17, 1 << 16), (300001, 1)])
+def test_smallest_hashes_same_on_every_path(n, k, monkeypatch):
+    """randomk's positions: the k smallest (hash, position) of the stream, ascending, distinct; the
+    one-pass loop, its exact fallback (sigmas=0 makes the band miss) and torch ops agree."""
+    key = (123456789, 987654321)
+    fast = uniforms.smallest(key, n, k)
+    exact = uniforms.smallest(key, n, k, sigmas=0.0)
+    monkeypatch.setattr(kernels, "get", lambda: None)
+    torch_ops = uniforms.smallest(key, n, k)
+    assert torch.equal(fast, torch_ops) and torch.equal(exact, torch_ops)
+    assert fast.numel() == k and bool((fast[1:] > fast[:-1]).all()) and (k == 0 or 0 <= int(fast[0]) <= int(fast[-1]) < n)
+    if n == 1000:  # the definition, in plain Python
+        assert fast.tolist() == sorted(i for _, i in sorted((_h32(key, i), i) for i in range(n))[:k])
+
+
+def _h32(key, i):
+    """The 32-bit hash of element i (uniforms' module docstring; u_i is its top 24 bits)."""
+    k0, k1 = key
+    h = ((k0 + i * uniforms.G) & uniforms.M32) ^ k1
+    h ^= h >> 16
+    h = (h * uniforms.A) & uniforms.M32
+    h ^= h >> 15
+    h = (h * uniforms.B) & uniforms.M32
+    return h ^ (h >> 16)
+
+
+def test_randomk_format_1_payloads_still_decode(monkeypatch):
+    """randomk payloads of format 1 (drawn with randperm) decode to the positions they were drawn
+    at; format 2 draws from the hash stream, and both give the update's values there."""
+    x = {"w": torch.randn(5000, generator=torch.Generator().manual_seed(0))}
+    codec = fedcomp.build_codec("randomk(ratio=0.05,rescale=false)")
+    layout = fedcomp.Layout.of(x)
+    new = codec.encode(x, nonce=3)
+    monkeypatch.setattr(RandomK, "wire_version", 1)
+    old = fedcomp.build_codec("randomk(ratio=0.05,rescale=false)").encode(x, nonce=3)
+    monkeypatch.undo()
+    assert old.payload[2] == 1 and new.payload[2] == 2
+    for enc in (old, new):
+        got = codec.decode(enc.payload, layout)["w"]
+        kept = got != 0
+        assert int(kept.sum()) == 250 and torch.equal(got[kept], x["w"][kept])
+    assert not torch.equal(codec.decode(old.payload, layout)["w"], codec.decode(new.payload, layout)["w"])
