@@ -137,10 +137,9 @@ def kbit(codes, lo, scale, size, i0, i1, out, s, w, add):
 @njit(cache=True, nogil=True)
 def qsgd(codes, unit, top, size, i0, i1, out, s, w, add):
     """value = fp32(+-(code & (2**top - 1))) * unit[b], the sign in bit ``top`` (QSGD._values;
-    ``unit`` = norm / levels, computed in fp32 by the caller). A level of 0 is +0.0 either sign
-    (0 * unit): negating the product is exact, so -(level * unit) is (-level) * unit's bits.
-    32-bit masks, no variable shift: the loop vectorizes (AVX2 has no 64-bit arithmetic shift or
-    int64 -> float conversion)."""
+    ``unit`` = norm / levels, computed in fp32 by the caller). A level of 0 is +0.0 either sign.
+    The signed level by two's complement arithmetic on 32-bit masks (no branch, no variable
+    shift): the loop vectorizes (AVX2 has no 64-bit arithmetic shift or int64 -> float)."""
     mask = (1 << top) - 1
     m32 = np.int32(mask)
     sbit = np.int32(1 << top)
@@ -154,16 +153,15 @@ def qsgd(codes, unit, top, size, i0, i1, out, s, w, add):
             t = s[i - i0:e - i0]
             for j in range(e - i):
                 cj = np.int32(c[j])
-                lv = np.int32(cj & m32)
-                v = _F32(lv) * u
-                t[j] = _fma(w, np.float64(-v if (cj & sbit) != 0 and lv != 0 else v), t[j])
+                ng = np.int32(-np.int32((cj & sbit) != 0))  # 0 or -1
+                sv = np.int32(np.int32(np.int32(cj & m32) ^ ng) - ng)  # +-level, no branch
+                t[j] = _fma(w, np.float64(_F32(sv) * u), t[j])
         else:
             o = out[i - i0:e - i0]
             for j in range(e - i):
                 cj = np.int32(c[j])
-                lv = np.int32(cj & m32)
-                v = _F32(lv) * u
-                o[j] = -v if (cj & sbit) != 0 and lv != 0 else v
+                ng = np.int32(-np.int32((cj & sbit) != 0))
+                o[j] = _F32(np.int32(np.int32(np.int32(cj & m32) ^ ng) - ng)) * u
         i = e
         b += 1
 
@@ -256,22 +254,40 @@ def qsgd_sq(codes, unit, top, size, i0, i1):
     return t
 
 
+@njit(inline="always")
+def _pc4(m):
+    """How many of bits 0, 2, 4, 6 of the uint8 ``m`` are set (each step truncated to uint8)."""
+    p = np.uint8((m & np.uint8(0x33)) + ((m >> np.uint8(2)) & np.uint8(0x33)))
+    return np.uint8((p & np.uint8(0x0F)) + (p >> np.uint8(4)))
+
+
 @njit(cache=True, nogil=True)
 def count_codes2(data, count):
-    """How many of the first ``count`` 2-bit codes (MSB first) take each value 0..3: four
-    counters per byte through a table (one pass over the bytes, not the codes)."""
-    n = np.zeros(4, dtype=np.int64)
+    """How many of the first ``count`` 2-bit codes (MSB first) take each value 0..3. Per byte,
+    bit tricks on its four fields (code 3: both bits set, 1: low only, 2: high only), uint8
+    arithmetic that vectorizes 32 bytes at a time, into int32 sums of 2**20 bytes (~5x faster
+    than a histogram of the bytes, whose increments stall on repeated values)."""
     full = count >> 2
-    hist = np.zeros(256, dtype=np.int64)
-    for j in range(full):
-        hist[data[j]] += 1
-    for v in range(256):
-        h = hist[v]
-        if h:
-            n[v >> 6] += h
-            n[(v >> 4) & 3] += h
-            n[(v >> 2) & 3] += h
-            n[v & 3] += h
+    c1 = np.int64(0)
+    c2 = np.int64(0)
+    c3 = np.int64(0)
+    for a in range(0, full, 1 << 20):
+        blk = data[a:min(full, a + (1 << 20))]
+        p1 = np.int32(0)
+        p2 = np.int32(0)
+        p3 = np.int32(0)
+        for j in range(blk.shape[0]):
+            b = blk[j]
+            hi = np.uint8(b >> np.uint8(1))
+            p3 = np.int32(p3 + np.int32(_pc4(np.uint8(b & hi & np.uint8(0x55)))))
+            p1 = np.int32(p1 + np.int32(_pc4(np.uint8(b & ~hi & np.uint8(0x55)))))
+            p2 = np.int32(p2 + np.int32(_pc4(np.uint8(~b & hi & np.uint8(0x55)))))
+        c1 += p1
+        c2 += p2
+        c3 += p3
+    n = np.zeros(4, dtype=np.int64)
+    n[1], n[2], n[3] = c1, c2, c3
+    n[0] = 4 * full - c1 - c2 - c3
     for i in range(4 * full, count):
         n[(data[i >> 2] >> (6 - 2 * (i & 3))) & 3] += 1
     return n

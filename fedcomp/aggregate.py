@@ -7,13 +7,20 @@ The data path of one reply (used alike by ``CompressedStrategy``, the sweep and 
    rejects non-finite values, so a bad payload raises before anything is added. Selectors
    (top-k, threshold, random-k, DGC) stay sparse (positions + values, O(k) memory). Every other
    codec stays compact: a quantizer's codes stay packed (:class:`fedcomp.quantizers.Values`),
-   PowerSGD's factors stay factors; their dense values are built ``CHUNK`` elements at a time,
-   once to check them and measure the norm, once more to add them, never the whole reply.
+   PowerSGD's factors stay factors; their dense values are built ``CHUNK`` elements at a time
+   to add them, never the whole reply. The check (finiteness, the norm) reads the codes, not the
+   values, where it can: linear quantizers' sums of squares from exact integer sums of their codes
+   per block, sign and ternary codes from counts, PowerSGD's from its factors; that is the norm of
+   the exact values, within ~1e-7 relative of the fp32 values' (a value's fp32 rounding), and a
+   block whose values could overflow fp32 is built value by value.
 2. :func:`check_weight` and :class:`NormGuard` decide whether it counts (the weight must be a
    finite positive number; the update's L2 norm must not exceed a bound relative to the round's
    median norm, or an absolute one).
 3. :meth:`Accumulator.add_update` adds ``weight * update`` to the sum: scatter-add at the kept
-   positions for sparse updates, chunk by chunk otherwise. Float tensors sum in float64,
+   positions for sparse updates, chunk by chunk otherwise. Dense replies wait in small batches
+   (``Accumulator(batch=8)``, compact: their codes are views of their payloads) and a batch is
+   added in one pass over the sum, each chunk of the sum taking every waiting reply in arrival
+   order, so the sum's memory traffic (16 bytes per element and pass) is paid once per batch. Float tensors sum in float64,
    where ``weight x value`` is exact for fp32/fp16/bf16 values and integer weights below 2**29,
    so the sum does not depend on the order replies arrive in and float64 models are not
    truncated; integer tensors also sum in float64 (exact below 2**53).

@@ -68,7 +68,10 @@ def test_mean_equals_decode_all_then_average(spec):
         assert mean[t.name].shape == t.shape and mean[t.name].dtype == t.torch_dtype
         if t.is_float:
             tol = 1e-2 if t.dtype == "bfloat16" else 1e-5
-            torch.testing.assert_close(mean[t.name].double(), ref[t.name], rtol=tol, atol=tol)
+            # bf16: the reference sums values rounded to bf16 per reply, the stream sums them
+            # before the one rounding; where replies cancel, that differs by ~2**-8 of the summands
+            atol = tol * max(1.0, float(ref[t.name].abs().max())) if t.dtype == "bfloat16" else tol
+            torch.testing.assert_close(mean[t.name].double(), ref[t.name], rtol=tol, atol=atol)
         else:
             assert torch.equal(mean[t.name], torch.round(ref[t.name]).to(t.torch_dtype))
 

@@ -198,3 +198,11 @@ def test_half_conversions_in_the_loop_equal_torchs_for_every_pattern(dtype):
     finite = np.isfinite(want)
     assert k.half_sq(bits[finite], dtype == torch.bfloat16) == pytest.approx(float(np.sum(want[finite] ** 2)), rel=1e-12)
     assert math.isinf(k.half_sq(bits[~np.isnan(want) & ~finite], dtype == torch.bfloat16))
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 4, 5, 17, 1000, (1 << 22) + 7])
+def test_count_codes2_counts_every_code(count):
+    """The ternary codecs' check (a bad code refuses the reply) and norm (counts x squares)."""
+    data = np.random.default_rng(count).integers(0, 256, count // 4 + 1).astype(np.uint8)
+    codes = np.stack([(data >> s) & 3 for s in (6, 4, 2, 0)], axis=1).reshape(-1)[:count]
+    assert kernels.get().count_codes2(data, count).tolist() == np.bincount(codes, minlength=4).tolist()
