@@ -44,6 +44,16 @@ def _f32_bits(typingctx, v):
 
 
 @intrinsic
+def _f64_bits(typingctx, v):
+    """The float64 whose bits are the int64 ``v``."""
+    sig = types.float64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+    return sig, codegen
+
+
+@intrinsic
 def _half_f32(typingctx, v):
     """The fp32 value of the fp16 whose bits are the uint16 ``v`` (exact; F16C converts 8 at a
     time where the CPU has it)."""
@@ -465,26 +475,29 @@ def pack(codes, count, bits, out):
                 out[b + 1] |= word & 255
 
 
-@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
-def _minmax(v):
-    """(min, max) of finite values, vectorized (min and max are exact: any order gives them, up
-    to the sign of a zero, which callers check for)."""
-    mn = v[0]
-    mx = v[0]
-    for j in range(v.shape[0]):
-        mn = min(mn, v[j])
-        mx = max(mx, v[j])
-    return mn, mx
+@njit(cache=True, nogil=True)
+def _order_bits(b):
+    """The int32 bits ``b`` of an fp32 mapped to an integer that orders as the float does (an
+    involution: applied twice it gives ``b`` back). -0.0 maps below +0.0 (-1 and 0); NaN maps
+    past +-inf (above 0x7F7FFFFF or below -0x7F800000)."""
+    return b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _finite(v):
-    """Whether every value is finite: x - x is NaN exactly for NaN and +-inf (reassociation only,
-    so nothing folds x - x to 0)."""
-    z = _F32(0.0)
-    for j in range(v.shape[0]):
-        z += v[j] - v[j]
-    return z == 0
+@njit(cache=True, nogil=True)
+def _range(b):
+    """(min, max, finite) of fp32 values from their int32 view ``b``: one vectorized integer pass
+    (min and max are the values themselves, exact; a zero's sign is the one of the zero that
+    orders first or last, which callers check for)."""
+    lo = np.int32(0x7FFFFFFF)
+    hi = np.int32(-0x80000000)
+    low = np.int32(0x7FFFFFFF)
+    for j in range(b.shape[0]):  # int32 throughout (numba widens integer arithmetic to int64)
+        v = b[j]
+        k = np.int32(v ^ np.int32(np.int32(v >> np.int32(31)) & low))
+        lo = np.int32(min(lo, k))
+        hi = np.int32(max(hi, k))
+    finite = hi < np.int32(0x7F800000) and lo > np.int32(-0x7F800000)
+    return _f32_bits(_order_bits(lo)), _f32_bits(_order_bits(hi)), finite
 
 
 # -- counter-based uniforms (fedcomp.uniforms): u_i = hash(key, i), the bits of uniforms.fill ----
@@ -650,14 +663,13 @@ def kbit_codes(x, size, levels, stochastic, k0, k1, start, params, codes):
     m = x.shape[0]
     nb = (m + size - 1) // size
     lv = _F32(levels)
+    xb = x.view(np.int32)
     for b in range(nb):
         a = b * size
         e = min(m, a + size)
         blk = x[a:e]
-        if not _finite(blk):
-            return False
-        mn, mx = _minmax(blk)
-        if mn == 0 or mx == 0:
+        mn, mx, finite = _range(xb[a:e])
+        if not finite or mn == 0 or mx == 0:
             return False
         scale = (mx - mn) / lv
         params[b, 0] = mn
@@ -682,8 +694,9 @@ def _absbits(b):
     pass for both max |v| (non-negative floats order as their bits) and finiteness (the result is
     below 0x7F800000, the bits of inf, exactly when every value is finite)."""
     mx = np.int32(0)
-    for j in range(b.shape[0]):
-        mx = max(mx, b[j] & np.int32(0x7FFFFFFF))
+    low = np.int32(0x7FFFFFFF)
+    for j in range(b.shape[0]):  # int32 throughout (numba widens integer arithmetic to int64)
+        mx = np.int32(max(mx, np.int32(b[j] & low)))
     return mx
 
 
@@ -696,6 +709,7 @@ def qsgd_codes(x, size, levels, top, use_max, norms, k0, k1, start, codes):
     m = x.shape[0]
     nb = (m + size - 1) // size
     s = _F32(levels)
+    sign = np.int32(1 << top)
     xb = x.view(np.int32)
     for b in range(nb):
         a = b * size
@@ -719,25 +733,29 @@ def qsgd_codes(x, size, levels, top, use_max, norms, k0, k1, start, codes):
             for j in range(e - a):
                 v = blk[j]
                 t = np.floor(abs(v) * s / safe + _u24(base, k1, j))
-                lvl = np.uint8(min(max(t, _F32(0.0)), s))
-                c[j] = lvl | (np.uint8(1 << top) if v < 0 else np.uint8(0))
+                lvl = np.int32(min(max(t, _F32(0.0)), s))
+                c[j] = np.uint8(np.int32(lvl | (sign if v < 0 else np.int32(0))))
             continue
         for j in range(e - a):
             v = blk[j]
             t = np.floor(abs(v) * r + _u24(base, k1, j))
-            lvl = np.uint8(min(max(t, _F32(0.0)), s))
-            c[j] = lvl | (np.uint8(1 << top) if v < 0 else np.uint8(0))
+            lvl = np.int32(min(max(t, _F32(0.0)), s))  # int32 codes: uint8 ones widen (~10% slower)
+            c[j] = np.uint8(np.int32(lvl | (sign if v < 0 else np.int32(0))))
     return True
 
 
 @njit(cache=True, nogil=True)
-def sign_pack(x, flags, out):
-    """Bit 1 (MSB first) where x < 0: ``pack_bits(x < 0, 1)``'s bytes. ``flags``: a uint8 scratch
-    of len(x). Flags are formed in one vectorized pass, then 8 at a time packed by one multiply
-    (byte k of a little-endian word lands on bit 7 - k of the top byte)."""
-    n = x.shape[0]
-    for j in range(n):
-        flags[j] = 1 if x[j] < 0 else 0
+def _negative(v, flags):
+    """flags[j] = v[j] < 0 (a function of its own: inline in a caller's loop it does not vectorize)."""
+    for j in range(v.shape[0]):
+        flags[j] = v[j] < 0
+
+
+@njit(cache=True, nogil=True)
+def _pack_flags(flags, out):
+    """uint8 flags (0 or 1) MSB first into out (``pack_bits(flags, 1)``'s bytes): 8 at a time by
+    one multiply (byte k of a little-endian word lands on bit 7 - k of the top byte)."""
+    n = flags.shape[0]
     full = n >> 3
     words = flags[:full * 8].view(np.uint64)
     for j in range(full):
@@ -777,19 +795,47 @@ def twobit_codes(x, t, codes):
         codes[j] = 3 if v >= t else (2 if v <= nt else 0)
 
 
-# -- terngrad ----------------------------------------------------------------------------------
+# -- exact block sums (terngrad's std, sign's scale) ---------------------------------------------
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _qsums(v, sc):
-    """(sum q, sum q^2) of q = rint(float64(v) * sc), |q| <= 2**20: float64 sums of integers
-    whose every partial sum stays below 2**53 (len(v) <= 8192) are exact in any order, so the
-    vectorized (reassociated) loop gives the same result as any other."""
+def _qsums(v, sc, absolute):
+    """(sum q, sum q^2), or (sum |q|, 0) (``absolute``), of q = rint(float64(v) * sc), |q| <=
+    2**qbits: float64 sums of integers whose every partial sum stays below 2**53 (len(v) <= 8192;
+    qbits <= 20 for q^2, <= 40 for |q|) are exact in any order, so the vectorized (reassociated)
+    loop gives the same result as any other."""
     t1 = 0.0
     t2 = 0.0
     for j in range(v.shape[0]):
         q = np.rint(np.float64(v[j]) * sc)
-        t1 += q
-        t2 += q * q
+        if absolute:
+            t1 += abs(q)
+        else:
+            t1 += q
+            t2 += q * q
     return t1, t2
+
+
+@njit(cache=True, nogil=True)
+def _block_qsums(x, xb, a, e, qbits, sums, absolute):
+    """One block x[a:e] (``xb``: x's int32 view): (bits of max |x|, k, s1, s2), the exact integer
+    sums of :func:`_qsums` for q = rint(x * 2**k), k = qbits - exponent(max |x|) (0 for a zero
+    block), so that |q| <= 2**qbits. Where a value is not finite (bits >= 0x7F800000: inf, or
+    above it NaN) or ``sums`` is False, only the bits (k = s1 = s2 = 0)."""
+    bits = _absbits(xb[a:e])
+    if bits >= 0x7F800000 or not sums:
+        return bits, 0, np.int64(0), np.int64(0)
+    k = 0
+    if bits >= 0x00800000:  # normal: max |x| = f * 2**e, f in [0.5, 1), e = biased exponent - 126
+        k = qbits - ((bits >> 23) - 126)
+    elif bits > 0:
+        k = qbits - math.frexp(np.float64(_f32_bits(bits)))[1]
+    sc = _f64_bits(np.int64(k + 1023) << 52)  # 2**k (|k| < 400: a normal float64)
+    t1 = np.int64(0)
+    t2 = np.int64(0)
+    for c in range(a, e, 8192):
+        p1, p2 = _qsums(x[c:min(e, c + 8192)], sc, absolute)
+        t1 += np.int64(p1)
+        t2 += np.int64(p2)
+    return bits, k, t1, t2
 
 
 @njit(cache=True, nogil=True)
@@ -803,28 +849,54 @@ def tern_stats(x, block, qbits, sums, amax, s1, s2, ks):
     xb = x.view(np.int32)
     for b in range(nb):
         a = b * block
-        e = min(m, a + block)
-        bits = _absbits(xb[a:e])
+        bits, k, t1, t2 = _block_qsums(x, xb, a, min(m, a + block), qbits, sums, False)
         if bits >= 0x7F800000:
             return False
-        nm = _f32_bits(bits)
-        amax[b] = nm
-        if not sums:
-            continue
-        k = 0
-        if nm > 0:
-            k = qbits - math.frexp(np.float64(nm))[1]
+        amax[b] = _f32_bits(bits)
         ks[b] = k
-        sc = math.ldexp(1.0, k)
-        t1 = np.int64(0)
-        t2 = np.int64(0)
-        for c in range(a, e, 8192):
-            p1, p2 = _qsums(x[c:min(e, c + 8192)], sc)
-            t1 += np.int64(p1)
-            t2 += np.int64(p2)
         s1[b] = t1
         s2[b] = t2
     return True
+
+
+SIGN_TILE = 16384  # elements whose sign bits are packed at once (their flags still in cache)
+
+
+@njit(cache=True, nogil=True)
+def sign_stats(x, size, sub, qbits, absolute, amax, s, ks, scale, flags, out):
+    """Sign.write in one pass: blocks of ``size`` elements, each cut into parts of ``sub`` (<= 2**16;
+    a block's last part shorter); part i: amax[i] = max |x| (inf or NaN where a value is), ks[i],
+    s[i] = sum |q| (``absolute``) or sum q^2 (:func:`_block_qsums`; 0 for a part not finite).
+    The sign bits (``pack_bits(x < 0, 1)``) are written every SIGN_TILE elements or more, while
+    those are in cache (a partial last byte is written again, whole, with the next tile). Blocks
+    of one part (size <= sub) get their fp32 scale here, as ``quantizers._sign_scales`` computes
+    it: fp32(float64(s) / count (sqrt for rms) * 2**-k), or max |x| where it is inf or NaN.
+    ``flags``: uint8 scratch of sub + SIGN_TILE + 8."""
+    m = x.shape[0]
+    xb = x.view(np.int32)
+    i = 0
+    lo = 0  # the first element whose bit is not written yet (a multiple of 8); flags[0] is its flag
+    for a0 in range(0, m, size):
+        e0 = min(m, a0 + size)
+        for a in range(a0, e0, sub):
+            e = min(e0, a + sub)
+            bits, k, t1, t2 = _block_qsums(x, xb, a, e, qbits, True, absolute)
+            amax[i] = _f32_bits(bits)
+            ks[i] = k
+            s[i] = t1 if absolute else t2
+            if size <= sub:
+                if bits >= 0x7F800000:
+                    scale[i] = amax[i]
+                else:
+                    v = np.float64(s[i]) / np.float64(e - a)
+                    if not absolute:
+                        v = math.sqrt(v)
+                    scale[i] = np.float32(v * _f64_bits(np.int64(1023 - k) << 52))
+            i += 1
+            if e - lo >= SIGN_TILE or e == m:
+                _negative(x[lo:e], flags)  # from cache (in the sums' loop: no faster)
+                _pack_flags(flags[:e - lo], out[lo >> 3:])
+                lo = e & ~7
 
 
 @njit(cache=True, nogil=True)

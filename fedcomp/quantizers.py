@@ -162,6 +162,19 @@ def _pack_into(q: torch.Tensor, bits: int, dst: torch.Tensor) -> None:
         dst.bitwise_or_(v[:, j] << shift if shift else v[:, j])
 
 
+def _out_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A fresh buffer for payload bytes. On the CPU it comes from numpy, which asks Linux for huge
+    pages (madvise) for buffers of 4 MB or more. Why: the first write into fresh memory faults
+    every 4 kB page; 25 MB into a fresh torch tensor measured ~16 ms on this project's machine
+    (more than 2 read passes of x), into numpy's ~2 ms. The buffer is the payload's, not scratch:
+    it cannot be reused (:func:`kernels.scratch`)."""
+    n = math.prod(shape) if isinstance(shape, tuple) else shape
+    if torch.device(device).type != "cpu" or n == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(np.empty(n * size, dtype=np.uint8)).view(dtype).view(shape)
+
+
 def _encode_kernels(x: torch.Tensor):
     """The CPU kernels for encoding ``x`` (contiguous fp32 on the CPU), or None (torch path)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or not x.is_contiguous():
@@ -177,8 +190,8 @@ class _BlockWriter:
         self.m, self.bits = m, bits
         self.size = block_size(m, block)
         self.step = _chunk_step(m, block)
-        self.params = torch.empty(blocks(m, block), params_per_block, dtype=torch.float32, device=device)
-        self.codes = torch.empty(packed_bytes(m, bits), dtype=torch.uint8, device=device)
+        self.params = _out_empty((blocks(m, block), params_per_block), torch.float32, device)
+        self.codes = _out_empty(packed_bytes(m, bits), torch.uint8, device)
         step = self.step + (-self.step) % self.size  # room for the padded last block
         self.f32 = torch.empty(step, dtype=torch.float32, device=device)
         self.u8 = torch.empty(step, dtype=torch.uint8, device=device)
@@ -477,7 +490,7 @@ class _HalfFloat(Quantizer):
     def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
         """:meth:`encode`'s bytes: one output tensor, clamped and converted chunk by chunk."""
         m = x.numel()
-        y = torch.empty(m, dtype=self.dtype, device=x.device)
+        y = _out_empty(m, self.dtype, x.device)
         step = _ENCODE_CHUNK // 4
         buf = torch.empty(min(m, step), dtype=torch.float32, device=x.device) if self.dtype == torch.float16 else None
         for lo in range(0, m, step):
@@ -539,6 +552,78 @@ class BFloat16(_HalfFloat):
     dtype = torch.bfloat16
 
 
+# -- exact block sums (TernGrad's std, sign's scale): the same numbers from the fused loop and torch ops
+_STD_BLOCK = 1 << 16  # elements per exact partial sum (TernGrad's std, sign's scale)
+_STD_QBITS = 20  # |q| <= 2**20 per block: q^2 sums of 8192 stay exact in float64
+_SIGN_QBITS = 30  # sign's mean |x|: sums of |q| <= 2**30 (8192 of them below 2**53: exact in float64)
+
+
+def _shifted_sum(sums, ks, top: int, power: int) -> int:
+    """sum over blocks of sums[b] * 2**(power * (top - ks[b])): per-block integer sums of q^power
+    (q = rint(x * 2**ks[b])) brought to one grid 2**-top, exactly (Python integers)."""
+    return sum(int(v) << power * (top - int(k)) for v, k in zip(sums, ks))
+
+
+def _qstats_torch(x: torch.Tensor, width: int, qbits: int, sums: bool, absolute: bool = False):
+    """Per row of ``width`` elements of x (the last one zero padded, which changes neither max |x|
+    nor the sums), in torch ops (any device), the numbers of the fused loop
+    (``_numba_kernels._block_qsums``): numpy arrays (amax fp32, ks, s1, s2) with, for ``sums``,
+    the exact integer sums of q = rint(x * 2**ks) (ks = qbits - exponent of the row's max |x|,
+    0 for a zero row): s1 = sum q, s2 = sum q^2, or s1 = sum |q|, s2 = 0 (``absolute``). A row
+    with a value not finite: amax inf or NaN, ks = s1 = s2 = 0."""
+    m, group = x.numel(), max(1, _ENCODE_CHUNK // width) * width
+    parts: list[list[torch.Tensor]] = [[], [], [], []]
+    for lo in range(0, m, group):
+        rows = _padded_rows(x[lo:lo + group], width, fill_first=False)
+        amax = rows.abs().amax(dim=1)
+        parts[0].append(amax)
+        if not sums:
+            continue
+        ok = torch.isfinite(amax)
+        ks = torch.where(ok & (amax > 0), qbits - torch.frexp(amax).exponent.long(), 0)
+        pow2 = ((ks + 1023) << 52).view(torch.float64)  # 2**ks from its bits: exact on any device
+        q = torch.round(rows.double() * pow2[:, None])  # exact: a power-of-2 scale in float64
+        q = q.masked_fill_(~ok[:, None], 0).long()
+        parts[1].append(ks)
+        if absolute:
+            parts[2].append(q.abs_().sum(dim=1))
+            parts[3].append(torch.zeros_like(ks))
+        else:
+            parts[2].append(q.sum(dim=1))
+            parts[3].append((q * q).sum(dim=1))
+    if not sums:
+        parts[1:] = [[torch.zeros(0, dtype=torch.long)]] * 3
+    return tuple(torch.cat(p).cpu().numpy() for p in parts)
+
+
+def _sign_scales(amax, ks, s, m: int, size: int, sub: int, rms: bool) -> np.ndarray:
+    """Sign's fp32 scale per block of ``size`` (m elements) from its parts' exact sums (parts of
+    ``sub``, :meth:`Sign._write`): mean |x| = sum |q| / count or rms = sqrt(sum q^2 / count), times
+    2**-k; inf or NaN where a part's max |x| is. One part per block: in numpy (each sum below
+    2**53 for ``mean``, float64 for ``rms``); several: combined in Python integers, divided once."""
+    per, nb = -(-size // sub), -(-m // size)
+    finite = np.isfinite(amax)
+    if per == 1:
+        counts = np.full(nb, float(size))
+        if m % size:
+            counts[-1] = m % size
+        v = s.astype(np.float64) / counts
+        if rms:
+            v = np.sqrt(v)
+        v *= np.ldexp(1.0, -ks.astype(np.int32))  # exact powers of 2: one rounding, as the fused loop's
+        return np.where(finite, v, amax).astype(np.float32)
+    scale = np.empty(nb, dtype=np.float32)
+    for b in range(nb):
+        lo, hi = b * per, min(b * per + per, amax.shape[0])
+        if not finite[lo:hi].all():
+            scale[b] = amax[lo:hi].max()  # NaN where a value is NaN, else inf
+            continue
+        top = int(ks[lo:hi].max())
+        v = _shifted_sum(s[lo:hi], ks[lo:hi], top, 2 if rms else 1) / min(size, m - b * size)
+        scale[b] = math.ldexp(math.sqrt(v) if rms else v, -top)
+    return scale
+
+
 @register
 class Sign(Quantizer):
     """1-bit sign with one scale per block.
@@ -571,51 +656,61 @@ class Sign(Quantizer):
         # the default scale is left out: specs (hence fingerprints) from before the option stay the same
         return super().canonical().replace(",scale='mean'", "")
 
-    def _scales(self, rows: torch.Tensor, counts: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
-        """Per row (block, zero padded): mean |x| or the root mean square over its ``counts`` elements.
-        Both sum with torch's cascade (``torch.linalg.vector_norm`` accumulates in fp32 one by one:
-        0.14% short at 25M elements)."""
-        if self.config.scale == "rms":
-            sq = torch.mul(rows, rows) if scratch is None else torch.mul(rows, rows, out=scratch)
-            return (sq.sum(dim=1) / counts).sqrt()
-        mag = torch.abs(rows) if scratch is None else torch.abs(rows, out=scratch)
-        return mag.sum(dim=1) / counts
-
     def nbytes(self, count: int) -> int:
         return 4 * blocks(count, self.config.block) + packed_bytes(count, 1)
 
     def encode(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> torch.Tensor:
-        m, block = x.numel(), self.config.block
-        if m == 0:
-            return x
-        scale = self._scales(_blocked(x, block), _block_counts(m, block, x.device))
-        negative = x < 0
-        out.tensor(scale)
-        out.tensor(pack_bits(negative, 1))
-        return self._expand(scale, negative, m)
-
-    def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
-        """:meth:`encode`'s bytes without the reconstruction (chunked |x| sums, no full-size temporary)."""
         m = x.numel()
         if m == 0:
-            return
-        w = _BlockWriter(m, self.config.block, 1, 1, x.device)
-        if self.config.block == 0:  # one scale: one reduction over x, as encode does (its bits);
-            # x viewed as one row, not padded (_blocked's pad is a full copy): the same row, the same sum
-            w.params[0, 0] = self._scales(x.reshape(1, -1), _block_counts(m, 0, x.device))[0]
-        else:
-            for start, stop, b0, b1 in w.chunks():
-                rows = _padded_rows(x[start:stop], w.size, fill_first=False)
-                w.params[b0:b1, 0] = self._scales(rows, _block_counts(stop - start, w.size, x.device),
-                                                  w.f32[:rows.numel()].view(rows.shape))
+            return x
+        return self._expand(self._write(x, out), x < 0, m)
+
+    def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
+        """:meth:`encode`'s bytes without the reconstruction."""
+        if x.numel():
+            self._write(x, out)
+
+    def _write(self, x: torch.Tensor, out: Writer) -> torch.Tensor:
+        """Write [scale per block (fp32), sign bits]; returns the scales (on x's device).
+
+        A block's scale comes from exact integer sums (the way TernGrad's std does,
+        :func:`_tern_std`): the block is cut into parts of at most _STD_BLOCK elements, each part's
+        values are put on a grid of 2**-qbits of its max |x| (q = rint(x * 2**k)), sum |q|
+        (``mean``, qbits 30) or sum q^2 (``rms``, qbits 20; q^2 sums must stay exact) per part are
+        combined exactly in Python integers and divided once. So the fused CPU loop (one pass:
+        sums and sign bits of each part while it is in cache, no fresh dense memory) and the torch
+        path (CUDA, no numba) give the same bytes, whatever the order of their sums. Accuracy: each
+        value moves by at most 2**-(qbits+1) of its part's max |x|; on Gaussian and heavy-tailed
+        updates the scale is within ~1e-7 of the float64 mean |x| / rms (a float32 sum, what torch
+        did before, is off by about as much). A value not finite makes its block's scale NaN
+        (a NaN) or inf, as the float sums did; finite values never overflow (no x*x in fp32)."""
+        m = x.numel()
+        size = block_size(m, self.config.block)
+        sub = min(size, _STD_BLOCK)
+        rms = self.config.scale == "rms"
+        qbits = _STD_QBITS if rms else _SIGN_QBITS
+        codes = _out_empty(packed_bytes(m, 1), torch.uint8, x.device)
         k = _encode_kernels(x)
-        for start, stop, _, _ in w.chunks():
-            if k is not None:
-                k.sign_pack(x[start:stop].numpy(), kernels.scratch(stop - start, np.uint8),
-                            w.codes[start // 8:start // 8 + packed_bytes(stop - start, 1)].numpy())
-            else:
-                w.put_codes(start, torch.lt(x[start:stop], 0, out=w.u8[:stop - start].view(torch.bool)))
-        w.write(out)
+        if k is not None:
+            n = (m // size) * -(-size // sub) + -(-(m % size) // sub)
+            amax, s, ks = np.empty(n, dtype=np.float32), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+            scale = np.empty(blocks(m, self.config.block) if size == sub else 0, dtype=np.float32)
+            k.sign_stats(x.numpy(), size, sub, qbits, not rms, amax, s, ks, scale,
+                         kernels.scratch(sub + k.SIGN_TILE + 8, np.uint8), codes.numpy())
+        else:
+            starts = range(0, m, size) if size > sub else [0]
+            stats = [_qstats_torch(x[a:a + size] if size > sub else x, sub, qbits, True, not rms) for a in starts]
+            amax, ks, s1, s2 = (np.concatenate(v) for v in zip(*stats))
+            s = s2 if rms else s1
+            step = max(8, _ENCODE_CHUNK // 8 * 8)
+            for lo in range(0, m, step):
+                _pack_into(torch.lt(x[lo:lo + step], 0), 1, codes[lo // 8:lo // 8 + packed_bytes(min(step, m - lo), 1)])
+        if k is None or size > sub:
+            scale = _sign_scales(amax, ks, s, m, size, sub, rms)
+        scale = torch.from_numpy(scale).to(x.device)
+        out.tensor(scale)
+        out.tensor(codes)
+        return scale
 
     def _expand(self, scale: torch.Tensor, negative: torch.Tensor, m: int) -> torch.Tensor:
         per = scale.repeat_interleave(block_size(m, self.config.block))[:m]
@@ -716,7 +811,7 @@ class TwoBit(Quantizer):
         m, t = x.numel(), self.config.threshold
         if m == 0:
             return
-        packed = torch.empty(packed_bytes(m, 2), dtype=torch.uint8, device=x.device)
+        packed = _out_empty(packed_bytes(m, 2), torch.uint8, x.device)
         step = max(4, _ENCODE_CHUNK // 16 * 4)  # a multiple of 4 codes: every chunk but the last ends on a byte
         code = torch.empty(min(m, step), dtype=torch.uint8, device=x.device)
         pos = torch.empty(min(m, step), dtype=torch.bool, device=x.device)
@@ -811,10 +906,12 @@ class KBit(_EntropyCoded, Quantizer):
         k0, k1 = _key32(key)
         for start, stop, b0, b1 in w.chunks():
             if k is not None:
-                codes = kernels.scratch(stop - start, np.uint8)
+                direct = self.config.bits == 8  # the codes are the bytes: written in place
+                codes = w.codes[start:stop].numpy() if direct else kernels.scratch(stop - start, np.uint8)
                 if k.kbit_codes(x[start:stop].numpy(), w.size, levels, key is not None, k0, k1, start,
                                 w.params[b0:b1].numpy(), codes):
-                    w.put_host_codes(start, codes, k)
+                    if not direct:
+                        w.put_host_codes(start, codes, k)
                     continue
             rows = _padded_rows(x[start:stop], w.size, fill_first=True)
             lo, hi = torch.aminmax(rows, dim=1)
@@ -1034,10 +1131,6 @@ class QSGD(_EntropyCoded, Quantizer):
         return Values(count, unit, build, device)
 
 
-_STD_BLOCK = 1 << 16  # elements per exact partial sum of TernGrad's std
-_STD_QBITS = 20  # |q| <= 2**20 per block: q^2 sums of 8192 stay exact in float64
-
-
 def _tern_std(n: int, ks, s1, s2) -> float:
     """TernGrad's std(x) (n - 1 normalization) from exact per-block integer sums: block b holds
     s1 = sum q, s2 = sum q^2 of q = rint(x * 2**ks[b]) (|q| <= 2**20: x to 20 bits of its block's
@@ -1050,10 +1143,9 @@ def _tern_std(n: int, ks, s1, s2) -> float:
     the std by at most 2**-20 * max|x| (the centred vector moves by at most that per element);
     rounding errors of continuous data average out, so on Gaussian updates it agrees with
     ``torch.std`` to ~1e-8 relative (``tests/test_uniforms.py`` checks 1e-6)."""
-    ks, s1, s2 = (v.tolist() if isinstance(v, np.ndarray) else v for v in (ks, s1, s2))
-    top = max(ks)
-    a = sum(v << (top - k) for v, k in zip(s1, ks))
-    b = sum(v << 2 * (top - k) for v, k in zip(s2, ks))
+    top = int(max(ks))
+    a = _shifted_sum(s1, ks, top, 1)
+    b = _shifted_sum(s2, ks, top, 2)
     var = (n * b - a * a) / (n * (n - 1))
     return math.ldexp(math.sqrt(var), -top)
 
@@ -1072,28 +1164,11 @@ def _tern_stats_kernel(x: torch.Tensor, clip: bool, k):
 def _tern_stats_torch(x: torch.Tensor, clip: bool):
     """:func:`_tern_stats_kernel` in torch ops (any device), blocks of _STD_BLOCK (zero padding
     changes neither max |x| nor the sums); std NaN where a value is not finite."""
-    m, group = x.numel(), max(1, _ENCODE_CHUNK // _STD_BLOCK) * _STD_BLOCK
-    amaxes, ks, s1, s2 = [], [], [], []
-    finite = True
-    for lo in range(0, m, group):
-        rows = _padded_rows(x[lo:lo + group], _STD_BLOCK, fill_first=False)
-        amax = rows.abs().amax(dim=1)
-        amaxes.append(amax)
-        finite = finite and bool(torch.isfinite(amax).all())
-        if not (clip and finite):
-            continue
-        exp = torch.frexp(amax).exponent.tolist()
-        kk = [_STD_QBITS - e if a > 0 else 0 for e, a in zip(exp, amax.tolist())]
-        scale = torch.tensor([math.ldexp(1.0, v) for v in kk], dtype=torch.float64, device=x.device)
-        q = torch.round(rows.double() * scale[:, None])  # exact: a power-of-2 scale in float64
-        qi = q.to(torch.int64)
-        ks += kk
-        s1 += qi.sum(dim=1).tolist()
-        s2 += (qi * qi).sum(dim=1).tolist()
-    a = np.float32(torch.cat(amaxes).amax().item())
+    amax, ks, s1, s2 = _qstats_torch(x, _STD_BLOCK, _STD_QBITS, clip)
+    a = np.float32(amax.max())
     if not clip:
         return a, None
-    return a, (_tern_std(m, ks, s1, s2) if finite else float("nan"))
+    return a, (_tern_std(x.numel(), ks, s1, s2) if bool(np.isfinite(amax).all()) else float("nan"))
 
 
 @register
@@ -1161,7 +1236,7 @@ class TernGrad(Quantizer):
             with np.errstate(invalid="ignore", over="ignore"):  # std past fp32's range: inf
                 bound32 = np.float32(np.float32(self.config.clip) * np.float32(bound))
                 s32 = np.minimum(amax, bound32)
-        packed = torch.empty(packed_bytes(m, 2), dtype=torch.uint8, device=x.device)
+        packed = _out_empty(packed_bytes(m, 2), torch.uint8, x.device)
         step = min(m, max(4, _ENCODE_CHUNK // 4 * 4))  # a multiple of 4 codes: chunks end on a byte
         s_t = torch.from_numpy(np.array([s32], dtype=np.float32)).to(x.device)
         if k is not None:

@@ -95,7 +95,7 @@ def test_unpack_matches_unpack_codes():
 
 
 ENCODE_SPECS = [
-    "sign()", "sign(block=100)", "sign(block=7)", "kbit(bits=4)", "kbit(bits=8)", "kbit(bits=1)", "kbit(bits=2)",
+    "sign()", "sign(block=100)", "sign(block=7)", "sign(block=2500,scale='rms')", "sign(scale='rms')", "kbit(bits=4)", "kbit(bits=8)", "kbit(bits=1)", "kbit(bits=2)",
     "kbit(bits=3,block=100)", "kbit(bits=7,block=33)", "kbit(bits=5,block=0,stochastic=true)",
     "kbit(bits=4,stochastic=true)", "qsgd(bits=4)", "qsgd(bits=2)", "qsgd(bits=8)", "qsgd(bits=3,bucket=77)",
     "qsgd(bits=6,bucket=0,norm='l2')", "qsgd(bits=4,norm='l2')", "topk(ratio=0.01)+qsgd(bits=4)",
@@ -129,7 +129,7 @@ def _encode_inputs():
 @pytest.mark.parametrize("spec", ENCODE_SPECS)
 def test_encode_kernels_give_the_same_payload(spec, monkeypatch):
     monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 3000)  # several chunks, a ragged last one
-    monkeypatch.setattr(quantizers, "_STD_BLOCK", 1000)  # terngrad's std from several exact block sums
+    monkeypatch.setattr(quantizers, "_STD_BLOCK", 1000)  # terngrad's std, sign's scale from several exact block sums
     codec = fedcomp.build_codec(spec)
     for name, x in _encode_inputs():
         payloads = []

@@ -1,6 +1,6 @@
 """The counter-based uniforms of stochastic rounding (fedcomp.uniforms): one definition, the same
 bits from Python, torch ops and the fused loops, uniform and unbiased enough, reproducible from
-the caller's generator; TernGrad's exact-integer std."""
+the caller's generator; TernGrad's exact-integer std and sign's exact-integer scale."""
 
 from __future__ import annotations
 
@@ -92,6 +92,53 @@ def test_terngrad_std_is_torchs_to_its_precision(monkeypatch):
             assert math.isclose(std, float(x.double().std()), rel_tol=1e-6, abs_tol=0), (block, x.numel())
             if kernels.get() is not None:
                 assert quantizers._tern_stats_kernel(x, True, kernels.get()) == (amax, std)
+
+
+def _sign_payload(spec: str, x: torch.Tensor, flag: str, monkeypatch, write: bool) -> bytes:
+    monkeypatch.setenv("FEDCOMP_KERNELS", flag)
+    q, w = fedcomp.build_codec(spec).quantizer, Writer()
+    (q.write if write else q.encode)(x, w, None)
+    return b"".join(bytes(p.numpy()) for p in w.parts)
+
+
+@pytest.mark.parametrize("spec", ["sign()", "sign(scale='rms')", "sign(block=2500)", "sign(block=300,scale='rms')"])
+def test_sign_scale_is_the_float64_one_to_its_precision(spec, monkeypatch):
+    """Sign's scale from exact integer sums (parts of _STD_BLOCK, several per block here) is the
+    float64 mean |x| / rms within 1e-6, on Gaussian, heavy-tailed (Cauchy) and mixed-magnitude
+    values, with the same bytes from encode and write, fused loop and torch ops."""
+    monkeypatch.setattr(quantizers, "_STD_BLOCK", 1000)
+    g = torch.Generator().manual_seed(11)
+    cauchy = torch.tan(math.pi * (torch.rand(7001, generator=g) - 0.5))
+    mixed = torch.cat([torch.randn(3000, generator=g) * 1e-30, torch.randn(4001, generator=g) * 1e20])
+    q = fedcomp.build_codec(spec).quantizer
+    for x in (torch.randn(7001, generator=g) * 1e-3, cauchy, mixed):
+        payloads = {_sign_payload(spec, x, flag, monkeypatch, write) for flag in ("0", "1") for write in (False, True)}
+        assert len(payloads) == 1
+        size = quantizers.block_size(x.numel(), q.config.block)
+        nb = -(-x.numel() // size)
+        scale = torch.frombuffer(bytearray(payloads.pop()[:4 * nb]), dtype=torch.float32).double()
+        for b in range(nb):
+            v = x[b * size:(b + 1) * size].double()
+            ref = v.abs().mean() if q.config.scale == "mean" else v.square().mean().sqrt()
+            assert math.isclose(float(scale[b]), float(ref), rel_tol=1e-6), (b, float(scale[b]), float(ref))
+
+
+def test_sign_scale_of_values_not_finite_is_nan_or_inf_in_their_block(monkeypatch):
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(12))
+    x[10], x[1200], x[1300], x[2500] = float("nan"), float("inf"), float("nan"), -float("inf")
+    for spec in ("sign(block=1000)", "sign(block=1000,scale='rms')", "sign()"):
+        payloads = {_sign_payload(spec, x, flag, monkeypatch, write) for flag in ("0", "1") for write in (False, True)}
+        assert len(payloads) == 1, spec
+        body = payloads.pop()
+        nb = 5 if "1000" in spec else 1
+        scale = torch.frombuffer(bytearray(body[:4 * nb]), dtype=torch.float32)
+        if nb == 1:
+            assert math.isnan(scale[0])
+            continue
+        assert math.isnan(scale[0]) and math.isnan(scale[1]) and scale[2] == float("inf")
+        assert bool(torch.isfinite(scale[3:]).all())
+        negative = quantizers.unpack_bits(torch.frombuffer(bytearray(body[4 * nb:]), dtype=torch.uint8), 5000, 1).bool()
+        assert torch.equal(negative, x < 0)  # NaN: not negative
 
 
 def test_qsgd_of_a_subnormal_bucket_with_zeros_decodes_finite():
