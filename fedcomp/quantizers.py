@@ -960,25 +960,27 @@ class KBit(_EntropyCoded, Quantizer):
         block = self.config.block
         if count == 0:
             return Values.of(torch.empty(0, device=device))
-        params = src.tensor(2 * blocks(count, block), torch.float32).to(device).view(-1, 2)
-        lo_, scale = params[:, 0].contiguous(), params[:, 1].contiguous()
-        codes = self._read_codes(src, count, device)
-        size = block_size(count, block)
-
-        def build(lo: int, hi: int) -> torch.Tensor:
-            b = lo // size
-            return self._values(codes(lo, hi), lo_[b:], scale[b:], hi - lo)
-        unit = _block_unit(count, block)
+        size, unit = block_size(count, block), _block_unit(count, block)
         if device.type == "cpu" and (k := kernels.get()) is not None:
-            lo_np, scale_np = lo_.numpy(), scale.numpy()
+            # numpy views, no torch op: a model of many small tensors reads one segment each
+            pairs = src.take(8 * blocks(count, block)).numpy().view(np.float32)
+            lo_np, scale_np = pairs[0::2].copy(), pairs[1::2].copy()
+            codes = self._read_codes(src, count, device)
+            levels = (1 << self.config.bits) - 1
 
             def run(a, b, i0, i1, out, s, w, add):
                 k.kbit(codes.host(a, b, k), lo_np[a // size:], scale_np[a // size:], size, i0, i1, out, s, w, add)
 
             def sq(a, b, i0, i1):
-                return k.kbit_sq(codes.host(a, b, k), lo_np[a // size:], scale_np[a // size:], size, i0, i1,
-                                 (1 << self.config.bits) - 1)
+                return k.kbit_sq(codes.host(a, b, k), lo_np[a // size:], scale_np[a // size:], size, i0, i1, levels)
             return _fused(count, unit, device, run, sq)
+        params = src.tensor(2 * blocks(count, block), torch.float32).to(device).view(-1, 2)
+        lo_, scale = params[:, 0].contiguous(), params[:, 1].contiguous()
+        codes = self._read_codes(src, count, device)
+
+        def build(lo: int, hi: int) -> torch.Tensor:
+            b = lo // size
+            return self._values(codes(lo, hi), lo_[b:], scale[b:], hi - lo)
         return Values(count, unit, build, device)
 
 
@@ -1110,17 +1112,13 @@ class QSGD(_EntropyCoded, Quantizer):
         bucket = self.config.bucket
         if count == 0:
             return Values.of(torch.empty(0, device=device))
-        norm = src.tensor(blocks(count, bucket), torch.float32).to(device)
-        codes = self._read_codes(src, count, device)
         top = self.config.bits - 1
-        size = block_size(count, bucket)
-
-        def build(lo: int, hi: int) -> torch.Tensor:
-            c = codes(lo, hi)
-            return self._values(norm[lo // size:], c & ((1 << top) - 1), c >> top, hi - lo)
-        unit = _block_unit(count, bucket)
+        size, unit = block_size(count, bucket), _block_unit(count, bucket)
         if device.type == "cpu" and (k := kernels.get()) is not None:
-            per_level = (norm / self.levels).numpy()  # the fp32 division _values does
+            # numpy, no torch op (one segment per tensor); the fp32 division _values does
+            with np.errstate(all="ignore"):  # a NaN or inf norm (fuzzed payloads) is refused by the check
+                per_level = src.take(4 * blocks(count, bucket)).numpy().view(np.float32) / np.float32(self.levels)
+            codes = self._read_codes(src, count, device)
 
             def run(a, b, i0, i1, out, s, w, add):
                 k.qsgd(codes.host(a, b, k), per_level[a // size:], top, size, i0, i1, out, s, w, add)
@@ -1128,6 +1126,12 @@ class QSGD(_EntropyCoded, Quantizer):
             def sq(a, b, i0, i1):
                 return k.qsgd_sq(codes.host(a, b, k), per_level[a // size:], top, size, i0, i1)
             return _fused(count, unit, device, run, sq)
+        norm = src.tensor(blocks(count, bucket), torch.float32).to(device)
+        codes = self._read_codes(src, count, device)
+
+        def build(lo: int, hi: int) -> torch.Tensor:
+            c = codes(lo, hi)
+            return self._values(norm[lo // size:], c & ((1 << top) - 1), c >> top, hi - lo)
         return Values(count, unit, build, device)
 
 
