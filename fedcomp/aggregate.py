@@ -20,8 +20,8 @@ The data path of one reply (used alike by ``CompressedStrategy``, the sweep and 
    positions for sparse updates, chunk by chunk otherwise. Dense replies wait in small batches
    (``Accumulator(batch=8)``, compact: their codes are views of their payloads) and a batch is
    added in one pass over the sum, each chunk of the sum taking every waiting reply in arrival
-   order, so the sum's memory traffic (16 bytes per element and pass) is paid once per batch. Float tensors sum in float64,
-   where ``weight x value`` is exact for fp32/fp16/bf16 values and integer weights below 2**29,
+   order, so the sum's memory traffic (16 bytes per element and pass) is paid once per batch.
+   Float tensors sum in float64, where ``weight x value`` is exact for fp32/fp16/bf16 values and integer weights below 2**29,
    so the sum does not depend on the order replies arrive in and float64 models are not
    truncated; integer tensors also sum in float64 (exact below 2**53).
 4. :meth:`Accumulator.apply_mean` returns ``reference + sum / total weight`` in the reference's
@@ -386,10 +386,10 @@ class Accumulator:
         the float64 sum. A checked reply waits, compact (its codes are views of its payload),
         until ``batch`` of them are there, their payloads reach the sum's size (8 bytes per
         element: fp32 replies go two at a time), or the sum is read (:meth:`flush`); then each
-        chunk of the sum (2 MB, in the cache) takes every waiting reply in arrival order. The sum has the bits
-        of adding them one at a time (the same additions per element, in the same order); the
-        sum's memory traffic (16 bytes per element and pass, more than a 4-bit reply's 0.5) is
-        paid once per batch. 1: each reply is added when it arrives.
+        chunk of the sum (2 MB, in the cache) takes every waiting reply in arrival order. The sum
+        has the bits of adding them one at a time (the same additions per element, in the same
+        order); the sum's memory traffic (16 bytes per element and pass, more than a 4-bit
+        reply's 0.5) is paid once per batch. 1: each reply is added when it arrives.
     """
 
     def __init__(self, codec, layout, device: torch.device | str = "cpu", batch: int = BATCH) -> None:
@@ -450,7 +450,7 @@ class Accumulator:
                 source = vals if codec.reducer is None else _Expanded(codec.reducer, vals, aux, seg)
                 lazy.append((self._offsets[tensors[0][0]][0], source, tensors))
             update = Update([], {self.layout.tensors[i].name: t for i, t in raw.items()}, lazy=lazy, nbytes=len(payload))
-            update.norm()  # builds every chunk once: non-finite values raise here, before anything is added
+            update.norm()  # the check: non-finite values raise here, before anything is added
             return update
         else:
             decoded = codec.decode(payload, self.layout, self.device, round=round)
