@@ -447,18 +447,19 @@ class RandomK(Selector):
         return _kept(self.config.ratio, seg.numel)
 
     def select(self, x: torch.Tensor, ctx: StageContext, seg: Segment) -> torch.Tensor:
-        return self._draw(x.numel(), ctx, seg, self.wire_version).to(x.device)
+        return self._draw(x.numel(), ctx, seg, self.wire_version, load=False).to(x.device)
 
-    def _draw(self, n: int, ctx: StageContext, seg: Segment, version: int) -> torch.Tensor:
+    def _draw(self, n: int, ctx: StageContext, seg: Segment, version: int, load: bool = True) -> torch.Tensor:
         """The kept positions, ascending (CPU: the same whatever the device). Format 2: the k
         positions of the smallest hashes of a stream keyed from the segment's generator
         (:func:`fedcomp.uniforms.smallest`, ~6-10 read passes at 25M elements); format 1 (payloads
-        written before 2026-11-23): ``randperm(n)[:k]``, ~280 read passes, still decoded."""
+        written before 2026-11-23): ``randperm(n)[:k]``, ~280 read passes, still decoded.
+        ``load``: whether to load the compiled loops for it (not for a client's encode)."""
         gen = ctx.generator(seg.index, "cpu")
         k = _kept(self.config.ratio, n)
         if version == 1:
             return torch.randperm(n, generator=gen)[:k].sort().values
-        return uniforms.smallest(uniforms.draw_key(gen, torch.device("cpu")), n, k)
+        return uniforms.smallest(uniforms.draw_key(gen, torch.device("cpu")), n, k, load=load)
 
     def write_indices(self, idx: torch.Tensor, n: int, out: Writer) -> int:
         return 0

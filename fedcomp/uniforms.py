@@ -56,21 +56,22 @@ def reference(key: tuple[int, int], i: int) -> float:
     return (h >> 8) * SCALE
 
 
-def smallest(key: tuple[int, int], n: int, k: int, sigmas: float = 8.0) -> torch.Tensor:
+def smallest(key: tuple[int, int], n: int, k: int, *, load: bool = True, sigmas: float = 8.0) -> torch.Tensor:
     """The k positions in [0, n) of the smallest 32-bit hashes h_i of the stream ``key`` (the h
     of u_i = (h >> 8) / 2**24), ties broken by position, ascending (int64, CPU): a uniformly
     random k-subset, the same one on every path. A fused loop where numba is loaded (one pass:
     every position whose hash lies below a band of ``sigmas`` binomial deviations around the
     expected k-th is in, the band's own are ranked; two exact passes in the rare case the band
     misses, ``sigmas=0`` forces them in tests); otherwise torch ops (``torch.topk`` over keys
-    h * 2**31 + i).
+    h * 2**31 + i). ``load=False`` (a client's encode) uses the loop only where numba is loaded
+    already (:func:`fedcomp.kernels.for_encode`: a fresh ClientApp process would pay ~1.4 s).
     Why not ``randperm(n)[:k]``: it costs ~280 read passes of a 25M-element update on one thread,
     for the encoder and again for the decoder, and its stream is torch's, not ours."""
     if not 0 <= k <= n < 1 << 31:
         raise ValueError(f"k={k}, n={n}: need 0 <= k <= n < 2**31")
     from fedcomp import kernels
 
-    k_ = kernels.get()
+    k_ = kernels.get() if load else kernels.for_encode()
     if k_ is not None:
         out = np.empty(k, dtype=np.int64)
         k0, k1 = np.uint32(key[0]), np.uint32(key[1])
@@ -83,7 +84,8 @@ def smallest(key: tuple[int, int], n: int, k: int, sigmas: float = 8.0) -> torch
     return keys.bitwise_and_((1 << 31) - 1).sort().values
 
 
-def _mix(key: tuple[int, int], start: int, n: int, device: torch.device, work: torch.Tensor | None = None) -> torch.Tensor:
+def _mix(key: tuple[int, int], start: int, n: int, device: torch.device,
+         work: torch.Tensor | None = None) -> torch.Tensor:
     """h_(start + j) for j < n: the 32-bit hashes, as int32 (their bits) in ``work`` or fresh."""
     k0, k1 = key
     if work is None or work.numel() < 2 * n or work.dtype != torch.int32:
