@@ -33,24 +33,18 @@ def _fma(typingctx, a, b, c):
     return sig, codegen
 
 
-@intrinsic
-def _f32_bits(typingctx, v):
-    """The fp32 whose bits are the int32 ``v``."""
-    sig = types.float32(types.int32)
+def _bitcast(to, to_ir, frm, doc):
+    """An intrinsic: the value of type ``to`` whose bits are those of its ``frm`` argument."""
+    def impl(typingctx, v):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], to_ir)
+        return to(frm), codegen
+    impl.__doc__ = doc
+    return intrinsic(impl)
 
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return sig, codegen
 
-
-@intrinsic
-def _f64_bits(typingctx, v):
-    """The float64 whose bits are the int64 ``v``."""
-    sig = types.float64(types.int64)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-    return sig, codegen
+_f32_bits = _bitcast(types.float32, ir.FloatType(), types.int32, "The fp32 whose bits are the int32 ``v``.")
+_f64_bits = _bitcast(types.float64, ir.DoubleType(), types.int64, "The float64 whose bits are the int64 ``v``.")
 
 
 @intrinsic
@@ -475,12 +469,13 @@ def pack(codes, count, bits, out):
                 out[b + 1] |= word & 255
 
 
-@njit(cache=True, nogil=True)
+@njit(inline="always")
 def _order_bits(b):
     """The int32 bits ``b`` of an fp32 mapped to an integer that orders as the float does (an
     involution: applied twice it gives ``b`` back). -0.0 maps below +0.0 (-1 and 0); NaN maps
-    past +-inf (above 0x7F7FFFFF or below -0x7F800000)."""
-    return b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
+    past +-inf (above 0x7F7FFFFF or below -0x7F800000). int32 throughout (numba widens integer
+    arithmetic to int64, which does not vectorize in :func:`_range`'s loop)."""
+    return np.int32(b ^ np.int32(np.int32(b >> np.int32(31)) & np.int32(0x7FFFFFFF)))
 
 
 @njit(cache=True, nogil=True)
@@ -490,10 +485,8 @@ def _range(b):
     orders first or last, which callers check for)."""
     lo = np.int32(0x7FFFFFFF)
     hi = np.int32(-0x80000000)
-    low = np.int32(0x7FFFFFFF)
-    for j in range(b.shape[0]):  # int32 throughout (numba widens integer arithmetic to int64)
-        v = b[j]
-        k = np.int32(v ^ np.int32(np.int32(v >> np.int32(31)) & low))
+    for j in range(b.shape[0]):
+        k = _order_bits(b[j])
         lo = np.int32(min(lo, k))
         hi = np.int32(max(hi, k))
     finite = hi < np.int32(0x7F800000) and lo > np.int32(-0x7F800000)

@@ -552,7 +552,7 @@ class Accumulator:
                     if add is not None:
                         add(offset + i, offset + j, host[i:j], w)
                     else:
-                        target[i:j].add_(source.chunk(offset + i, offset + j).to(dtype).reshape(-1), alpha=w)
+                        self._add_dense(target, i, source.chunk(offset + i, offset + j).to(dtype).reshape(-1), w)
         for update, _ in pending:
             for _, source, _ in update.lazy:
                 release = getattr(source, "release", None)

@@ -240,22 +240,18 @@ class PowerSGD(Reducer):
         """``target += weight * expand_range(...)`` (a float64 CPU target) in one fused loop over
         the rows of P Q^T (:mod:`fedcomp.kernels`, the same fp32 values); False where there is
         none (no numba, another device or dtype)."""
-        if values.device.type != "cpu" or target.dtype != torch.float64 or target.device.type != "cpu":
+        if target.dtype != torch.float64 or target.device.type != "cpu":
             return False
-        k = kernels.get()
-        if k is None:
+        add = self.range_adder(values, aux, seg)
+        if add is None:
             return False
-        f = self.factors(seg)
-        if f is None:
-            k.add_f32(values[lo:hi].numpy(), target.numpy(), float(weight))
-            return True
-        n, m, r = f
-        k.lowrank(*self._host_factors(values, n, m, r), r, m, lo, hi, _NO32, target.numpy(), float(weight), True)
+        add(lo, hi, target.numpy(), float(weight))
         return True
 
     def range_adder(self, values: torch.Tensor, aux: Any, seg: Segment):
-        """``f(lo, hi, s, w)``: :meth:`add_range` into a float64 numpy ``s``, with the factors
-        prepared once (a server adding many short ranges); None where there is no fused loop."""
+        """``f(lo, hi, s, w)``: ``s += w * expand_range(...)`` into a float64 numpy ``s`` in one fused
+        loop, with the factors prepared once (a server adding many short ranges); None where there
+        is no fused loop (no numba, another device)."""
         k = kernels.get() if values.device.type == "cpu" else None
         if k is None:
             return None
