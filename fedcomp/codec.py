@@ -207,7 +207,7 @@ class Codec:
         values = list(tensors.values())
         device = values[0].device if values else torch.device("cpu")
         ctx = StageContext(nonce & _MASK64, round, state)
-        out = Writer(device)
+        out = Writer(device, self._dense_size(layout))
         sparse = self._sparse_expand
         kept_values: dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None = {} if sparse else None
         kept, side_bytes = [], []
@@ -244,6 +244,16 @@ class Codec:
         payload = out.getvalue(layout.fingerprint(), self.fingerprint, ctx.nonce, self.wire_version)
         decode = None if sparse else (lambda: self.decode(payload, layout, device, round=round))
         return Encoded(payload, LazyDecoded(layout, decode, kept_values, exact), tuple(kept), tuple(side_bytes))
+
+    def _dense_size(self, layout: Layout) -> int | None:
+        """The payload's size where it does not depend on the data (no reducer, fixed-width
+        codes), else None: the writer then builds the payload in place (:meth:`Writer.empty`)."""
+        if self.reducer is not None:
+            return None
+        try:
+            return self.size_bytes(layout)
+        except ValueError:  # entropy-coded values
+            return None
 
     @property
     def _sparse_expand(self) -> bool:

@@ -162,19 +162,6 @@ def _pack_into(q: torch.Tensor, bits: int, dst: torch.Tensor) -> None:
         dst.bitwise_or_(v[:, j] << shift if shift else v[:, j])
 
 
-def _out_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A fresh buffer for payload bytes. On the CPU it comes from numpy, which asks Linux for huge
-    pages (madvise) for buffers of 4 MB or more. Why: the first write into fresh memory faults
-    every 4 kB page; 25 MB into a fresh torch tensor measured ~16 ms on this project's machine
-    (more than 2 read passes of x), into numpy's ~2 ms. The buffer is the payload's, not scratch:
-    it cannot be reused (:func:`kernels.scratch`)."""
-    n = math.prod(shape) if isinstance(shape, tuple) else shape
-    if torch.device(device).type != "cpu" or n == 0:
-        return torch.empty(shape, dtype=dtype, device=device)
-    size = torch.empty(0, dtype=dtype).element_size()
-    return torch.from_numpy(np.empty(n * size, dtype=np.uint8)).view(dtype).view(shape)
-
-
 def _encode_kernels(x: torch.Tensor):
     """The CPU kernels for encoding ``x`` (contiguous fp32 on the CPU), or None (torch path)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or not x.is_contiguous():
@@ -186,12 +173,12 @@ class _BlockWriter:
     """Blockwise quantizer output, written chunk by chunk into two preallocated streams
     (per-block parameters, then packed codes) with reused chunk-sized scratch buffers."""
 
-    def __init__(self, m: int, block: int, params_per_block: int, bits: int, device: torch.device) -> None:
+    def __init__(self, m: int, block: int, params_per_block: int, bits: int, out: Writer, device: torch.device) -> None:
         self.m, self.bits = m, bits
         self.size = block_size(m, block)
         self.step = _chunk_step(m, block)
-        self.params = _out_empty((blocks(m, block), params_per_block), torch.float32, device)
-        self.codes = _out_empty(packed_bytes(m, bits), torch.uint8, device)
+        self.params = out.empty((blocks(m, block), params_per_block), torch.float32, device)
+        self.codes = out.empty(packed_bytes(m, bits), torch.uint8, device)
         step = self.step + (-self.step) % self.size  # room for the padded last block
         self.f32 = torch.empty(step, dtype=torch.float32, device=device)
         self.u8 = torch.empty(step, dtype=torch.uint8, device=device)
@@ -490,7 +477,7 @@ class _HalfFloat(Quantizer):
     def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
         """:meth:`encode`'s bytes: one output tensor, clamped and converted chunk by chunk."""
         m = x.numel()
-        y = _out_empty(m, self.dtype, x.device)
+        y = out.empty(m, self.dtype, x.device)
         step = _ENCODE_CHUNK // 4
         buf = torch.empty(min(m, step), dtype=torch.float32, device=x.device) if self.dtype == torch.float16 else None
         for lo in range(0, m, step):
@@ -689,12 +676,13 @@ class Sign(Quantizer):
         sub = min(size, _STD_BLOCK)
         rms = self.config.scale == "rms"
         qbits = _STD_QBITS if rms else _SIGN_QBITS
-        codes = _out_empty(packed_bytes(m, 1), torch.uint8, x.device)
+        scale_out = out.empty(blocks(m, self.config.block), torch.float32, x.device)  # in the order they are written
+        codes = out.empty(packed_bytes(m, 1), torch.uint8, x.device)
         k = _encode_kernels(x)
         if k is not None:
             n = (m // size) * -(-size // sub) + -(-(m % size) // sub)
             amax, s, ks = np.empty(n, dtype=np.float32), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-            scale = np.empty(blocks(m, self.config.block) if size == sub else 0, dtype=np.float32)
+            scale = scale_out.numpy() if size == sub else np.empty(0, dtype=np.float32)
             k.sign_stats(x.numpy(), size, sub, qbits, not rms, amax, s, ks, scale,
                          kernels.scratch(sub + k.SIGN_TILE + 8, np.uint8), codes.numpy())
         else:
@@ -706,11 +694,10 @@ class Sign(Quantizer):
             for lo in range(0, m, step):
                 _pack_into(torch.lt(x[lo:lo + step], 0), 1, codes[lo // 8:lo // 8 + packed_bytes(min(step, m - lo), 1)])
         if k is None or size > sub:
-            scale = _sign_scales(amax, ks, s, m, size, sub, rms)
-        scale = torch.from_numpy(scale).to(x.device)
-        out.tensor(scale)
+            scale_out.copy_(torch.from_numpy(_sign_scales(amax, ks, s, m, size, sub, rms)))
+        out.tensor(scale_out)
         out.tensor(codes)
-        return scale
+        return scale_out
 
     def _expand(self, scale: torch.Tensor, negative: torch.Tensor, m: int) -> torch.Tensor:
         per = scale.repeat_interleave(block_size(m, self.config.block))[:m]
@@ -811,7 +798,7 @@ class TwoBit(Quantizer):
         m, t = x.numel(), self.config.threshold
         if m == 0:
             return
-        packed = _out_empty(packed_bytes(m, 2), torch.uint8, x.device)
+        packed = out.empty(packed_bytes(m, 2), torch.uint8, x.device)
         step = max(4, _ENCODE_CHUNK // 16 * 4)  # a multiple of 4 codes: every chunk but the last ends on a byte
         code = torch.empty(min(m, step), dtype=torch.uint8, device=x.device)
         pos = torch.empty(min(m, step), dtype=torch.bool, device=x.device)
@@ -900,7 +887,7 @@ class KBit(_EntropyCoded, Quantizer):
         m, levels = x.numel(), (1 << self.config.bits) - 1
         if m == 0:
             return
-        w = _BlockWriter(m, self.config.block, 2, self.config.bits, x.device)
+        w = _BlockWriter(m, self.config.block, 2, self.config.bits, out, x.device)
         k = _encode_kernels(x)
         key = self._key(x, gen)
         k0, k1 = _key32(key)
@@ -1044,7 +1031,7 @@ class QSGD(_EntropyCoded, Quantizer):
         m, s, bits = x.numel(), self.levels, self.config.bits
         if m == 0:
             return
-        w = _BlockWriter(m, self.config.bucket, 1, bits, x.device)
+        w = _BlockWriter(m, self.config.bucket, 1, bits, out, x.device)
         k = _encode_kernels(x)
         use_max = self.config.norm == "max"
         key = uniforms.draw_key(gen, x.device)
@@ -1240,7 +1227,8 @@ class TernGrad(Quantizer):
             with np.errstate(invalid="ignore", over="ignore"):  # std past fp32's range: inf
                 bound32 = np.float32(np.float32(self.config.clip) * np.float32(bound))
                 s32 = np.minimum(amax, bound32)
-        packed = _out_empty(packed_bytes(m, 2), torch.uint8, x.device)
+        s_out = out.empty(1, torch.float32, x.device)  # the writer's places go in the order they are written
+        packed = out.empty(packed_bytes(m, 2), torch.uint8, x.device)
         step = min(m, max(4, _ENCODE_CHUNK // 4 * 4))  # a multiple of 4 codes: chunks end on a byte
         s_t = torch.from_numpy(np.array([s32], dtype=np.float32)).to(x.device)
         if k is not None:
@@ -1269,7 +1257,7 @@ class TernGrad(Quantizer):
                 c = torch.lt(xc, 0, out=code[:n].view(torch.bool)).view(torch.uint8).add_(1)
                 c.mul_(keep[:n].view(torch.uint8))
                 _pack_into(c, 2, packed[lo // 4:lo // 4 + packed_bytes(n, 2)])
-        out.tensor(s_t)
+        out.tensor(s_out.copy_(s_t))
         out.tensor(packed)
         return s_t, packed
 

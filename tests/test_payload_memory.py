@@ -1,0 +1,95 @@
+"""Payloads built in place (``fedcomp.wire``): a dense codec's writer allocates the final ``bytes``
+up front (in huge pages where large) and its quantizer writes the codes there, so no body byte is
+copied. These tests force that path on small tensors (``wire.HUGE = 0``) and check it against the
+plain join, byte for byte."""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+import torch
+
+import fedcomp
+from fedcomp import wire
+from fedcomp.wire import Writer
+
+DENSE = ["none()", "fp16()", "bf16()", "kbit(bits=4)", "kbit(bits=8,block=0)", "kbit(bits=3,stochastic=True)",
+         "qsgd(bits=4)", "qsgd(bits=5,bucket=77,norm='l2')", "sign()", "sign(block=100)", "sign(scale='rms')",
+         "twobit(threshold=0.5)", "terngrad()", "terngrad(clip=0)"]
+
+
+def _update(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"conv.weight": torch.randn(8, 3, 5, 5, generator=g), "conv.bias": torch.randn(8, generator=g),
+            "steps": torch.tensor(7), "fc.weight": torch.randn(10, 1001, generator=g),
+            "half": torch.randn(33, generator=g).half()}
+
+
+@pytest.mark.parametrize("kernels", ["0", "1"])  # torch ops, compiled loops
+@pytest.mark.parametrize("spec", DENSE)
+def test_a_payload_built_in_place_has_the_bytes_of_the_join(spec, kernels, monkeypatch):
+    monkeypatch.setenv("FEDCOMP_KERNELS", kernels)
+    codec, update = fedcomp.build_codec(spec), _update()
+    joined = codec.encode(update, nonce=5).payload
+    monkeypatch.setattr(wire, "HUGE", 0)  # every payload in place, however small
+    calls = []
+    monkeypatch.setattr(wire, "join", lambda views: calls.append(1) or b"".join(views))
+    placed = codec.encode(update, nonce=5)
+    assert placed.payload == joined
+    assert not calls  # every part was at its place: nothing was joined
+    layout = fedcomp.Layout.of(update)
+    for name, t in codec.decode(placed.payload, layout).items():
+        assert torch.equal(t, placed.decoded[name])
+
+
+def test_parts_appended_out_of_order_still_give_the_right_payload(monkeypatch):
+    monkeypatch.setattr(wire, "HUGE", 0)
+    w = Writer(size=wire.OVERHEAD_BYTES + 12)
+    a, b = w.empty(2, torch.float32), w.empty(4, torch.uint8)
+    a.copy_(torch.tensor([1.5, -2.0]))
+    b.copy_(torch.arange(4, dtype=torch.uint8))
+    w.tensor(b)  # b was handed the place after a
+    w.tensor(a)
+    got = w.getvalue(b"01234567", 9, 3)
+    ref = Writer()
+    ref.tensor(torch.arange(4, dtype=torch.uint8))
+    ref.tensor(torch.tensor([1.5, -2.0]))
+    assert got == ref.getvalue(b"01234567", 9, 3)
+
+
+def test_a_payload_of_another_size_than_announced_is_joined(monkeypatch):
+    monkeypatch.setattr(wire, "HUGE", 0)
+    w = Writer(size=wire.OVERHEAD_BYTES + 100)
+    part = w.empty(3, torch.uint8)
+    part.fill_(7)
+    w.tensor(part)
+    payload = w.getvalue(b"01234567", 9, 1)
+    assert len(payload) == wire.OVERHEAD_BYTES + 3
+    reader, nonce = wire.open_payload(payload, b"01234567", 9)
+    assert nonce == 1 and reader.take(3).tolist() == [7, 7, 7]
+
+
+def test_the_payload_outlives_its_writer_and_the_parts_keep_it_alive(monkeypatch):
+    monkeypatch.setattr(wire, "HUGE", 0)
+    w = Writer(size=wire.OVERHEAD_BYTES + 8)
+    part = w.empty(8, torch.uint8)
+    part.copy_(torch.arange(8, dtype=torch.uint8))
+    w.tensor(part)
+    payload = w.getvalue(b"01234567", 9, 1)
+    refs = sys.getrefcount(payload)
+    del w
+    gc.collect()
+    assert sys.getrefcount(payload) == refs  # the writer handed it out and keeps nothing
+    del part
+    gc.collect()
+    assert sys.getrefcount(payload) == refs - 1  # the part (a view of its memory) held it
+    assert wire.open_payload(payload, b"01234567", 9)[0].take(8).tolist() == list(range(8))
+    assert hash(payload) == hash(bytes(bytearray(payload)))  # an ordinary, immutable bytes
+
+
+def test_a_large_join_is_the_join():
+    parts = [b"head", memoryview(torch.arange(3 << 20, dtype=torch.int32).numpy()).cast("B"), b"", b"tail"]
+    joined = wire.join(parts)
+    assert type(joined) is bytes and joined == b"".join(parts)
