@@ -58,6 +58,20 @@ def _half_f32(typingctx, v):
     return sig, codegen
 
 
+@intrinsic
+def _f32_half(typingctx, v):
+    """The bits (uint16) of fp32 ``v`` rounded to fp16, to nearest even (``fptrunc``: F16C's
+    conversion where the CPU has it; beyond fp16's range: inf)."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return sig, codegen
+
+
+_i32_bits = _bitcast(types.int32, ir.IntType(32), types.float32, "The int32 whose bits are the fp32 ``v``.")
+
+
 # -- codes -------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
 def unpack(data, count, bits, out):
@@ -362,6 +376,27 @@ def add_half(bits16, brain, s, w):
     else:
         for j in range(bits16.shape[0]):
             s[j] = _fma(w, np.float64(_half(bits16[j], False)), s[j])
+
+
+@njit(cache=True, nogil=True)
+def to_half(x, brain, limit, out):
+    """out (uint16) = the fp16 (``brain`` False; x clamped to +-``limit`` first) or bf16 bits of
+    fp32 x, in one pass, with the bits of torch's CPU conversion: round to nearest even; a NaN
+    keeps its sign and top payload bits in fp16 (as F16C does) and becomes 0xFFFF in bf16 (what
+    torch 2.13 writes on the CPU; a NaN payload is refused by every decoder anyway)."""
+    if brain:
+        for j in range(x.shape[0]):
+            u = np.uint32(_i32_bits(x[j]))
+            r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            out[j] = np.uint16(0xFFFF) if x[j] != x[j] else np.uint16(r)
+    else:
+        for j in range(x.shape[0]):
+            v = x[j]
+            if v > limit:
+                v = limit
+            elif v < -limit:
+                v = -limit
+            out[j] = _f32_half(v)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc"})

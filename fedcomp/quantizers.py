@@ -478,6 +478,12 @@ class _HalfFloat(Quantizer):
         """:meth:`encode`'s bytes: one output tensor, clamped and converted chunk by chunk."""
         m = x.numel()
         y = out.empty(m, self.dtype, x.device)
+        k = _encode_kernels(x)
+        if k is not None and m:  # clamp and convert in one loop (kernels.to_half: the same bits)
+            k.to_half(x.numpy(), self.dtype == torch.bfloat16, np.float32(_FP16_MAX),
+                      y.view(torch.int16).numpy().view(np.uint16))
+            out.tensor(y)
+            return
         step = _ENCODE_CHUNK // 4
         buf = torch.empty(min(m, step), dtype=torch.float32, device=x.device) if self.dtype == torch.float16 else None
         for lo in range(0, m, step):

@@ -207,3 +207,23 @@ def test_count_codes2_counts_every_code(count):
     data = np.random.default_rng(count).integers(0, 256, count // 4 + 1).astype(np.uint8)
     codes = np.stack([(data >> s) & 3 for s in (6, 4, 2, 0)], axis=1).reshape(-1)[:count]
     assert kernels.get().count_codes2(data, count).tolist() == np.bincount(codes, minlength=4).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_encoding_in_the_loop_equals_torchs(dtype):
+    """fp16 / bf16 encode (kernels.to_half: clamp and convert in one pass) writes the bits of
+    torch's clamp + conversion: random fp32 patterns (NaNs, infinities, subnormals included), every
+    997th pattern, and the rounding and overflow edges."""
+    edges = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFBFFFFF, 0x7FFFFFFF,
+             0x477FE000, 0x477FEFFF, 0x477FF000, 0x38800000, 0x33800000, 0x33000000, 0x33000001, 0x3F808000,
+             0x3F818000, 0x7F7FFFFF, 0x00000001, 0x807FFFFF]
+    rng = np.random.default_rng(3)
+    u = np.concatenate([np.array(edges, dtype=np.uint32), rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32),
+                        np.arange(0, 1 << 32, 997, dtype=np.uint64).astype(np.uint32)])
+    x = u.view(np.float32)
+    out = np.empty(x.shape[0], dtype=np.uint16)
+    kernels.get().to_half(x, dtype == torch.bfloat16, np.float32(quantizers._FP16_MAX), out)
+    t = torch.from_numpy(x)
+    if dtype == torch.float16:
+        t = torch.clamp(t, -quantizers._FP16_MAX, quantizers._FP16_MAX)
+    assert np.array_equal(out, t.to(dtype).view(torch.int16).numpy().view(np.uint16))
