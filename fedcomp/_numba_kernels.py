@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -67,6 +67,30 @@ def _f32_half(typingctx, v):
     def codegen(context, builder, signature, args):
         return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
     return sig, codegen
+
+
+@intrinsic
+def _f32_at(typingctx, address):
+    """A pointer to the fp32 values at ``address`` (an int64: a CPU tensor's ``data_ptr()``)."""
+    sig = types.CPointer(types.float32)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+    return sig, codegen
+
+
+@njit(inline="always")
+def _segment(ptrs, ns, s):
+    """Segment s of a run: the ns[s] fp32 values at address ptrs[s] (the caller keeps them alive)."""
+    return carray(_f32_at(ptrs[s]), (ns[s],))
+
+
+@njit(inline="always")
+def _put_f32(values, region, o):
+    """The bytes of fp32 ``values`` (1-D) at region[o:] (any alignment)."""
+    raw = values.view(np.uint8)
+    for j in range(raw.shape[0]):
+        region[o + j] = raw[j]
 
 
 _i32_bits = _bitcast(types.int32, ir.IntType(32), types.float32, "The int32 whose bits are the fp32 ``v``.")
@@ -937,3 +961,116 @@ def tern_codes(x, s, bound, clip, k0, k1, start, codes):
         a = min(abs(v), bound) if clip else abs(v)
         keep = _u24(base, k1, j) * s < a
         codes[j] = (np.uint8(2) if v < 0 else np.uint8(1)) if keep else np.uint8(0)
+
+
+# -- runs: every segment of an update in one call (a write's Python costs ~100 us per segment) --
+@njit(inline="always")
+def _chunk_step(m, size, block, chunk):
+    """quantizers._chunk_step: elements per step (whole blocks, a multiple of 8 of them)."""
+    if block == 0 or m <= chunk:
+        return max(m, 1)
+    return min(m, max(8, (chunk // size) // 8 * 8) * size)
+
+
+@njit(cache=True, nogil=True)
+def kbit_run(ptrs, ns, block, levels, bits, stochastic, k0s, k1s, offs, region, chunk, params, codes, ok):
+    """KBit.write of each segment s (ns[s] fp32 values at ptrs[s]) at region[offs[s]:] ([lo, scale]
+    per block, then packed codes), step by step as KBit.write does: the same bytes. ok[s] False
+    where :func:`kbit_codes` refuses a step (the caller writes that segment its own way).
+    ``params`` / ``codes``: scratch for one step."""
+    for s in range(ptrs.shape[0]):
+        n = ns[s]
+        x = _segment(ptrs, ns, s)
+        size = n if block == 0 or block >= n else block
+        step = _chunk_step(n, size, block, chunk)
+        o = offs[s]
+        at = o + 8 * ((n + size - 1) // size)  # the codes
+        ok[s] = True
+        for a in range(0, n, step):
+            e = min(n, a + step)
+            b0 = a // size
+            nb = (e + size - 1) // size - b0
+            if not kbit_codes(x[a:e], size, levels, stochastic, k0s[s], k1s[s], a, params[:nb], codes):
+                ok[s] = False
+                break
+            _put_f32(params[:nb].reshape(2 * nb), region, o + 8 * b0)
+            lo = at + a * bits // 8
+            pack(codes, e - a, bits, region[lo:lo + ((e - a) * bits + 7) // 8])
+
+
+@njit(cache=True, nogil=True)
+def qsgd_run(ptrs, ns, bucket, levels, bits, k0s, k1s, offs, region, chunk, norms, codes, ok):
+    """QSGD.write (max norms) of each segment s at region[offs[s]:] (norm per bucket, then packed
+    codes), step by step: the same bytes; ok[s] False where :func:`qsgd_codes` refuses a step."""
+    for s in range(ptrs.shape[0]):
+        n = ns[s]
+        x = _segment(ptrs, ns, s)
+        size = n if bucket == 0 or bucket >= n else bucket
+        step = _chunk_step(n, size, bucket, chunk)
+        o = offs[s]
+        at = o + 4 * ((n + size - 1) // size)
+        ok[s] = True
+        for a in range(0, n, step):
+            e = min(n, a + step)
+            b0 = a // size
+            nb = (e + size - 1) // size - b0
+            if not qsgd_codes(x[a:e], size, levels, bits - 1, True, norms[:nb], k0s[s], k1s[s], a, codes):
+                ok[s] = False
+                break
+            _put_f32(norms[:nb], region, o + 4 * b0)
+            lo = at + a * bits // 8
+            pack(codes, e - a, bits, region[lo:lo + ((e - a) * bits + 7) // 8])
+
+
+@njit(cache=True, nogil=True)
+def sign_run(ptrs, ns, block, std_block, qbits, absolute, offs, region, part0, amax, s, ks, scale, flags, ok):
+    """Sign.write of each segment at region[offs[i]:] (scale per block, then sign bits): codes,
+    and the scales of blocks of one part (<= ``std_block`` elements); segment i's parts' sums go to
+    [part0[i], part0[i + 1]) of amax / s / ks. ok[i] False where a block has several parts: its
+    scales are the caller's (``quantizers._sign_scales``, exact sums in Python integers)."""
+    for i in range(ptrs.shape[0]):
+        n = ns[i]
+        size = n if block == 0 or block >= n else block
+        sub = min(size, std_block)
+        nb = (n + size - 1) // size
+        o = offs[i]
+        p0, p1 = part0[i], part0[i + 1]
+        one = size <= sub
+        sc = scale[:nb] if one else scale[:0]
+        sign_stats(_segment(ptrs, ns, i), size, sub, qbits, absolute, amax[p0:p1], s[p0:p1], ks[p0:p1], sc, flags,
+                   region[o + 4 * nb:o + 4 * nb + (n + 7) // 8])
+        if one:
+            _put_f32(sc, region, o)
+        ok[i] = one
+
+
+@njit(cache=True, nogil=True)
+def twobit_run(ptrs, ns, t, offs, region, chunk, codes):
+    """TwoBit.write of each segment at region[offs[i]:] (packed 2-bit codes), ``chunk`` (a multiple
+    of 4) elements at a time."""
+    for i in range(ptrs.shape[0]):
+        n = ns[i]
+        x = _segment(ptrs, ns, i)
+        o = offs[i]
+        for a in range(0, n, chunk):
+            e = min(n, a + chunk)
+            twobit_codes(x[a:e], t, codes)
+            pack(codes, e - a, 2, region[o + a // 4:o + a // 4 + (e - a + 3) // 4])
+
+
+@njit(cache=True, nogil=True)
+def half_run(ptrs, ns, brain, limit, offs, region):
+    """fp16 / bf16 .write of each segment at region[offs[i]:] (:func:`to_half`)."""
+    for i in range(ptrs.shape[0]):
+        n = ns[i]
+        o = offs[i]
+        to_half(_segment(ptrs, ns, i), brain, limit, region[o:o + 2 * n].view(np.uint16))
+
+
+@njit(cache=True, nogil=True)
+def copy_run(ptrs, ns, offs, region):
+    """none().write of each segment at region[offs[i]:] (its fp32 bytes)."""
+    for i in range(ptrs.shape[0]):
+        n = ns[i]
+        o = offs[i]
+        region[o:o + 4 * n].view(np.float32)[:] = _segment(ptrs, ns, i)

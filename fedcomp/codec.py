@@ -23,7 +23,8 @@ from fedcomp.base import REGISTRY, Quantizer, Reducer, Segment, Selector, StageC
 from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.layout import MAX_NUMEL, Layout
 from fedcomp.pieces import Pieces
-from fedcomp.quantizers import read_values, write_values
+from fedcomp import kernels
+from fedcomp.quantizers import read_values, runs, write_run, write_values
 from fedcomp.spec import parse_spec
 from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, open_payload
 
@@ -212,6 +213,9 @@ class Codec:
         kept_values: dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None = {} if sparse else None
         kept, side_bytes = [], []
         pieces_ok = getattr(self.reducer, "accepts_pieces", False)
+        # segments wait to go to the quantizer's compiled loop together (write_run), in order
+        run: list[tuple[int, torch.Tensor]] | None = \
+            [] if self.reducer is None and device.type == "cpu" and runs(self.quantizer, kernels.for_encode()) else None
         for seg, group in self.segments(layout):
             parts = [values[i].detach().reshape(-1) for i in group]  # views where contiguous
             parts = [p if p.dtype == torch.float32 else p.float() for p in parts]
@@ -221,6 +225,13 @@ class Codec:
                 x = Pieces(parts)
             else:
                 x = torch.cat(parts)
+            if run is not None:
+                if seg.numel and x.is_contiguous() and not x.requires_grad:
+                    run.append((seg.index, x))
+                    kept.append(seg.numel)
+                    side_bytes.append(0)
+                    continue
+                self._write_run(run, out, ctx, device)
             gen = ctx.generator(seg.index, device)
             if self.reducer is None:
                 write_values(self.quantizer, x, out, gen)
@@ -236,6 +247,8 @@ class Codec:
                 kept.append(vals.numel())
                 side_bytes.append(side)
             out.flush()  # on CUDA: this segment's bytes go to the host while the next one encodes
+        if run:
+            self._write_run(run, out, ctx, device)
         exact = {}
         for i, spec in enumerate(layout.tensors):
             if not spec.is_float:
@@ -244,6 +257,13 @@ class Codec:
         payload = out.getvalue(layout.fingerprint(), self.fingerprint, ctx.nonce, self.wire_version)
         decode = None if sparse else (lambda: self.decode(payload, layout, device, round=round))
         return Encoded(payload, LazyDecoded(layout, decode, kept_values, exact), tuple(kept), tuple(side_bytes))
+
+    def _write_run(self, run: list[tuple[int, torch.Tensor]], out: Writer, ctx: StageContext,
+                   device: torch.device) -> None:
+        """Write the waiting small segments (segment index, values) in one call; empty the list."""
+        if run:
+            write_run(self.quantizer, [x for _, x in run], out, lambda i: ctx.generator(run[i][0], device))
+            run.clear()
 
     def _dense_size(self, layout: Layout) -> int | None:
         """The payload's size where it does not depend on the data (no reducer, fixed-width

@@ -179,11 +179,23 @@ class _BlockWriter:
         self.step = _chunk_step(m, block)
         self.params = out.empty((blocks(m, block), params_per_block), torch.float32, device)
         self.codes = out.empty(packed_bytes(m, bits), torch.uint8, device)
-        step = self.step + (-self.step) % self.size  # room for the padded last block
-        self.f32 = torch.empty(step, dtype=torch.float32, device=device)
-        self.u8 = torch.empty(step, dtype=torch.uint8, device=device)
+        self._room = self.step + (-self.step) % self.size  # scratch for the padded last block
+        self._f32: torch.Tensor | None = None  # torch path scratch, made on first use
+        self._u8: torch.Tensor | None = None
         self._u: torch.Tensor | None = None
         self._work: torch.Tensor | None = None
+
+    @property
+    def f32(self) -> torch.Tensor:
+        if self._f32 is None:
+            self._f32 = torch.empty(self._room, dtype=torch.float32, device=self.codes.device)
+        return self._f32
+
+    @property
+    def u8(self) -> torch.Tensor:
+        if self._u8 is None:
+            self._u8 = torch.empty(self._room, dtype=torch.uint8, device=self.codes.device)
+        return self._u8
 
     def chunks(self):
         """(start, stop, first block, stop block) of each step."""
@@ -202,7 +214,14 @@ class _BlockWriter:
     def put_host_codes(self, start: int, codes: np.ndarray, k) -> None:
         """Pack uint8 codes (a CPU kernel's) into the code stream at element ``start``."""
         lo = start * self.bits // 8
-        k.pack(codes, codes.shape[0], self.bits, self.codes[lo:lo + packed_bytes(codes.shape[0], self.bits)].numpy())
+        k.pack(codes, codes.shape[0], self.bits, self.host_codes[lo:lo + packed_bytes(codes.shape[0], self.bits)])
+
+    @property
+    def host_codes(self) -> np.ndarray:
+        """The code stream as numpy (CPU only: a kernel's output)."""
+        if not hasattr(self, "_host_codes"):
+            self._host_codes = self.codes.numpy()
+        return self._host_codes
 
     def put_codes(self, start: int, q: torch.Tensor) -> None:
         lo = start * self.bits // 8
@@ -404,6 +423,45 @@ def _block_unit(count: int, block: int) -> int:
     return 8 * block_size(count, block) if block else 8
 
 
+def runs(quantizer: Quantizer, k) -> bool:
+    """Whether ``quantizer`` writes runs of segments (:func:`write_run`) with the kernels ``k``
+    (None: no kernels)."""
+    return k is not None and getattr(quantizer, "_run", None) is not None and getattr(quantizer, "runs", lambda: True)()
+
+
+def write_run(quantizer: Quantizer, xs: list[torch.Tensor], out: Writer, gen) -> None:
+    """Write segments ``xs`` (contiguous fp32 CPU tensors, none empty) in one compiled call: the
+    bytes of ``write_values`` on each in turn. ``gen(i)`` gives segment i's generator (made only
+    where the quantizer draws from it).
+
+    Why: writing one segment costs ~100 us of Python beside its loops (buffers, views, calls);
+    a ResNet-50 has 161 tensors, 119 of them below 65,536 elements: ~16 ms a round, about two
+    read passes of its 25.6M values. A segment the kernel refuses (a value not finite, ...) is
+    written the one-by-one way into its place."""
+    k = kernels.for_encode()
+    sizes = np.fromiter((quantizer.nbytes(x.numel()) for x in xs), dtype=np.int64, count=len(xs))
+    offs = np.zeros(len(xs), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=offs[1:])
+    place = out.empty(int(sizes.sum()), torch.uint8)
+    region = place.numpy()
+    ptrs = np.fromiter((x.data_ptr() for x in xs), dtype=np.int64, count=len(xs))
+    ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
+    ok = np.zeros(len(xs), dtype=np.bool_)
+    quantizer._run(k, xs, gen, ptrs, ns, offs, region, ok)
+    for i in np.flatnonzero(~ok).tolist():
+        alone = Writer(xs[i].device)
+        write_values(quantizer, xs[i], alone, gen(i))
+        region[offs[i]:offs[i] + sizes[i]] = np.frombuffer(alone.body(), dtype=np.uint8)
+    out.tensor(place)
+
+
+def _run_keys(keys: list) -> tuple[np.ndarray, np.ndarray]:
+    """Per-segment stream keys (None: no stream) as the kernels take them."""
+    k0 = np.fromiter((0 if key is None else key[0] for key in keys), dtype=np.uint32, count=len(keys))
+    k1 = np.fromiter((0 if key is None else key[1] for key in keys), dtype=np.uint32, count=len(keys))
+    return k0, k1
+
+
 def write_values(quantizer: Quantizer, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
     """Write the code of ``x`` without building the reconstruction, where the quantizer can
     (its ``write`` method); otherwise through ``encode``. The bytes are the same either way."""
@@ -442,6 +500,11 @@ class Identity(Quantizer):
         out.tensor(x)
         return x
 
+    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
+        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.copy_run`)."""
+        k.copy_run(ptrs, ns, offs, region)
+        ok[:] = True
+
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         return src.tensor(count, torch.float32).to(device)
 
@@ -473,6 +536,11 @@ class _HalfFloat(Quantizer):
         y = x.clamp(-_FP16_MAX, _FP16_MAX).to(self.dtype) if self.dtype == torch.float16 else x.to(self.dtype)
         out.tensor(y)
         return y.float()
+
+    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
+        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.half_run`)."""
+        k.half_run(ptrs, ns, self.dtype == torch.bfloat16, np.float32(_FP16_MAX), offs, region)
+        ok[:] = True
 
     def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
         """:meth:`encode`'s bytes: one output tensor, clamped and converted chunk by chunk."""
@@ -705,6 +773,26 @@ class Sign(Quantizer):
         out.tensor(codes)
         return scale_out
 
+    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
+        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.sign_run`); the scales
+        of blocks of several parts are combined here, as :meth:`_write` does."""
+        block, rms = self.config.block, self.config.scale == "rms"
+        sizes = [block_size(n, block) for n in ns.tolist()]
+        subs = [min(size, _STD_BLOCK) for size in sizes]
+        part0 = np.zeros(len(xs) + 1, dtype=np.int64)
+        part0[1:] = np.cumsum([(n // size) * -(-size // sub) + -(-(n % size) // sub)
+                               for n, size, sub in zip(ns.tolist(), sizes, subs)])
+        total = int(part0[-1])
+        amax, s, ks = np.empty(total, dtype=np.float32), np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+        scale = np.empty(max(blocks(n, block) for n in ns.tolist()), dtype=np.float32)
+        k.sign_run(ptrs, ns, block, _STD_BLOCK, _STD_QBITS if rms else _SIGN_QBITS, not rms, offs, region, part0, amax, s, ks,
+                   scale, kernels.scratch(_STD_BLOCK + k.SIGN_TILE + 8, np.uint8), ok)
+        for i in np.flatnonzero(~ok).tolist():
+            n, p0, p1 = int(ns[i]), part0[i], part0[i + 1]
+            sc = _sign_scales(amax[p0:p1], ks[p0:p1], s[p0:p1], n, sizes[i], subs[i], rms)
+            region[offs[i]:offs[i] + 4 * sc.shape[0]] = sc.view(np.uint8)
+            ok[i] = True
+
     def _expand(self, scale: torch.Tensor, negative: torch.Tensor, m: int) -> torch.Tensor:
         per = scale.repeat_interleave(block_size(m, self.config.block))[:m]
         return torch.where(negative, -per, per)
@@ -798,6 +886,12 @@ class TwoBit(Quantizer):
         codes = torch.where(x >= t, 3, torch.where(x <= -t, 2, 0)).to(torch.uint8)
         out.tensor(pack_bits(codes, 2))
         return self._values(codes)
+
+    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
+        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.twobit_run`)."""
+        step = max(4, _ENCODE_CHUNK // 16 * 4)
+        k.twobit_run(ptrs, ns, np.float32(self.config.threshold), offs, region, step, kernels.scratch(step, np.uint8))
+        ok[:] = True
 
     def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
         """:meth:`encode`'s bytes: code = 2 sent + positive, chunk by chunk into one output."""
@@ -897,12 +991,13 @@ class KBit(_EntropyCoded, Quantizer):
         k = _encode_kernels(x)
         key = self._key(x, gen)
         k0, k1 = _key32(key)
+        if k is not None:
+            xn, pn = x.numpy(), w.params.numpy()
         for start, stop, b0, b1 in w.chunks():
             if k is not None:
                 direct = self.config.bits == 8  # the codes are the bytes: written in place
-                codes = w.codes[start:stop].numpy() if direct else kernels.scratch(stop - start, np.uint8)
-                if k.kbit_codes(x[start:stop].numpy(), w.size, levels, key is not None, k0, k1, start,
-                                w.params[b0:b1].numpy(), codes):
+                codes = w.host_codes[start:stop] if direct else kernels.scratch(stop - start, np.uint8)
+                if k.kbit_codes(xn[start:stop], w.size, levels, key is not None, k0, k1, start, pn[b0:b1], codes):
                     if not direct:
                         w.put_host_codes(start, codes, k)
                     continue
@@ -921,6 +1016,18 @@ class KBit(_EntropyCoded, Quantizer):
             q.copy_(t.clamp_(0, levels).view(-1)[:stop - start])
             w.put_codes(start, q)
         w.write(out)
+
+    def runs(self) -> bool:
+        return self.config.coding == "packed"
+
+    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
+        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.kbit_run`)."""
+        stochastic = self.config.stochastic
+        k0s, k1s = _run_keys([self._key(x, gen(i)) for i, x in enumerate(xs)] if stochastic else [None] * len(xs))
+        step = max(_chunk_step(int(n), self.config.block) for n in ns.tolist())
+        params = np.empty((blocks(step, self.config.block), 2), dtype=np.float32)
+        k.kbit_run(ptrs, ns, self.config.block, (1 << self.config.bits) - 1, self.config.bits, stochastic, k0s, k1s,
+                   offs, region, _ENCODE_CHUNK, params, kernels.scratch(step, np.uint8), ok)
 
     def _encode_one(self, x: torch.Tensor, out: Writer, key: tuple[int, int] | None, start: int) -> torch.Tensor:
         m, block, levels = x.numel(), self.config.block, (1 << self.config.bits) - 1
@@ -1066,6 +1173,16 @@ class QSGD(_EntropyCoded, Quantizer):
             code.bitwise_or_(torch.lt(xc, 0).view(torch.uint8) << (bits - 1))
             w.put_codes(start, code)
         w.write(out)
+
+    def runs(self) -> bool:
+        return self.config.coding == "packed" and self.config.norm == "max"  # l2 norms are torch's
+
+    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
+        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.qsgd_run`)."""
+        k0s, k1s = _run_keys([uniforms.draw_key(gen(i), x.device) for i, x in enumerate(xs)])
+        step = max(_chunk_step(int(n), self.config.bucket) for n in ns.tolist())
+        k.qsgd_run(ptrs, ns, self.config.bucket, self.levels, self.config.bits, k0s, k1s, offs, region, _ENCODE_CHUNK,
+                   np.empty(blocks(step, self.config.bucket), dtype=np.float32), kernels.scratch(step, np.uint8), ok)
 
     def _ratio_(self, mag: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         """In place: mag (|x| as rows of buckets) times r = fp32(levels / norm) per bucket (norm 0:

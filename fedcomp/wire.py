@@ -127,8 +127,9 @@ def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     fresh torch tensor measured ~16 ms on this project's machine (more than 2 read passes of x),
     into numpy's ~2 ms."""
     n = math.prod(shape) if isinstance(shape, tuple) else shape
-    size = torch.empty(0, dtype=dtype).element_size()
-    return torch.from_numpy(np.empty(n * size, dtype=np.uint8)).view(dtype).view(shape)
+    if n * dtype.itemsize < HUGE:  # below numpy's huge-page threshold: torch's allocator is quicker
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(np.empty(n * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _host_view(t: torch.Tensor) -> memoryview:
@@ -166,7 +167,7 @@ class Writer:
         CUDA, or for a tensor on another ``device`` than the writer's) a fresh buffer."""
         device = self.device if device is None else torch.device(device)
         n = math.prod(shape) if isinstance(shape, tuple) else shape
-        size = torch.empty(0, dtype=dtype).element_size()
+        size = dtype.itemsize
         if self._payload is not None and device.type == "cpu" and n:
             at, self._cursor = self._cursor, self._cursor + n * size
             if at % size == 0 and self._cursor <= len(self._payload[0]) - TRAILER_BYTES:
@@ -207,6 +208,10 @@ class Writer:
                 offset += p.numel()
         self.host += host
 
+    def body(self) -> bytes:
+        """The body written so far (CPU writers), as one ``bytes``."""
+        return b"".join(p if isinstance(p, bytes) else _host_view(p.cpu()) for p in (*self.host, *self.parts))
+
     def raw(self, data: bytes) -> None:
         self.parts.append(bytes(data))
 
@@ -218,6 +223,10 @@ class Writer:
 
     def tensor(self, t: torch.Tensor) -> None:
         """Append a tensor's raw little-endian bytes (any dtype); a CPU tensor is not copied here."""
+        if t.dtype == torch.uint8 and t.dim() == 1 and t.device.type == "cpu" and t.is_contiguous():
+            if t.numel():  # the common case, quickly (a CPU writer's own buffers)
+                self.parts.append(t.detach())
+            return
         t = t.detach()
         if t.numel() == 0:
             return
