@@ -79,6 +79,26 @@ def _f32_at(typingctx, address):
     return sig, codegen
 
 
+@intrinsic
+def _f64_at(typingctx, address):
+    """A pointer to the float64 values at ``address`` (a CPU tensor's ``data_ptr()``)."""
+    sig = types.CPointer(types.float64)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.DoubleType()))
+    return sig, codegen
+
+
+@intrinsic
+def _u8_at(typingctx, address):
+    """A pointer to the bytes at ``address`` (a numpy array's ``ctypes.data``)."""
+    sig = types.CPointer(types.uint8)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.IntType(8)))
+    return sig, codegen
+
+
 @njit(inline="always")
 def _segment(ptrs, ns, s):
     """Segment s of a run: the ns[s] fp32 values at address ptrs[s] (the caller keeps them alive)."""
@@ -1074,3 +1094,60 @@ def copy_run(ptrs, ns, offs, region):
         n = ns[i]
         o = offs[i]
         region[o:o + 4 * n].view(np.float32)[:] = _segment(ptrs, ns, i)
+
+
+# -- reading runs: every segment of a reply in one call (the server's check and add) -------------
+@njit(cache=True, nogil=True)
+def gather(body, starts, lens, out):
+    """out = the bytes body[starts[i]:starts[i] + lens[i]] of every i, one after another."""
+    o = 0
+    for i in range(starts.shape[0]):
+        a = starts[i]
+        for j in range(lens[i]):
+            out[o + j] = body[a + j]
+        o += lens[i]
+
+
+@njit(inline="always")
+def _geometry(n, block, bits):
+    """(elements per block, elements per aligned unit: whole blocks whose codes start on a byte)."""
+    size = n if block == 0 or block >= n else block
+    return size, (8 * size if block else 8)
+
+
+@njit(cache=True, nogil=True)
+def kbit_sq_run(body, coffs, ns, p0, lo, scale, block, bits, levels, chunk, codes, out):
+    """out[s] = segment s's sum of squares, ``chunk`` elements at a time from its start as the
+    per-segment check sums them (kbit_sq), so the same float; inf or NaN where not finite."""
+    for s in range(ns.shape[0]):
+        n = ns[s]
+        size, unit = _geometry(n, block, bits)
+        tot = 0.0
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            a = i - i % unit
+            unpack(body[coffs[s] + a * bits // 8:], j - a, bits, codes)
+            b = p0[s] + a // size
+            tot += kbit_sq(codes, lo[b:], scale[b:], size, i - a, j - a, levels)
+        out[s] = tot
+
+
+@njit(cache=True, nogil=True)
+def kbit_add_runs(bodies, coffs, ns, p0, lo, scale, block, bits, sums, w, chunk, codes):
+    """Add replies r (payload bodies at bodies[r], parameters lo[r], scale[r]) into the float64
+    sums (segment s's at sums[s]) with weights w[r]: per segment, per ``chunk`` elements of its
+    sum, every reply in order (the per-segment path's additions, in its order: the same bits)."""
+    no = np.empty(0, dtype=np.float32)
+    for s in range(ns.shape[0]):
+        n = ns[s]
+        size, unit = _geometry(n, block, bits)
+        end = coffs[s] + (n * bits + 7) // 8
+        sm = carray(_f64_at(sums[s]), (n,))
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            a = i - i % unit
+            b = p0[s] + a // size
+            for r in range(bodies.shape[0]):
+                body = carray(_u8_at(bodies[r]), (end,))
+                unpack(body[coffs[s] + a * bits // 8:], j - a, bits, codes)
+                kbit(codes, lo[r, b:], scale[r, b:], size, i - a, j - a, no, sm[i:j], w[r], True)

@@ -44,6 +44,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fedcomp import kernels
@@ -307,6 +308,15 @@ class Update:
     _norm: float | None = None
     lazy: list[tuple[int, object, list]] = field(default_factory=list)
     nbytes: int = 0  # the payload it was read from (kept alive while the update waits in a batch)
+    run: object | None = None  # every dense segment at once (quantizers.RunReply), for compiled checks and adds
+    names: list[str] = field(default_factory=list)  # the run's segments' tensors, in order
+
+    def _read_lazy(self) -> None:
+        """A run read the per-segment way (:attr:`lazy`), for callers that take pieces."""
+        if self.run is not None and not self.lazy:
+            codec, payload, layout, device = self.run.read
+            read, _ = codec.decode_parts(payload, layout, device, lazy=True)
+            self.lazy = _lazy_segments(codec, read, layout, Accumulator.offsets(layout))
 
     def _lazy_tensors(self, fused=None, squares: bool = False):
         """(name, chunks) per tensor of the lazy segments; chunks as :func:`_tensor_chunks`.
@@ -315,6 +325,7 @@ class Update:
         in one loop (``source.add_to``: fp32/fp64 tensors, CPU kernels) is added here and not
         yielded. ``squares``: a chunk's sum of squares (a float) instead of its values where the
         source computes it in place (``source.sq``: fp32/fp64 tensors, CPU kernels)."""
+        self._read_lazy()
         for start, source, tensors in self.lazy:
             offset = 0
             for name, numel, dtype in tensors:  # each tensor in its dtype, as Codec.decode returns it
@@ -343,6 +354,13 @@ class Update:
             total = 0.0
             for _, _, v in self.parts:
                 total += _sq_norm(v)
+            if self.run is not None and not self.lazy:  # per tensor, as below, in one compiled call
+                for name, sq in zip(self.names, self.run.sq(CHUNK).tolist()):
+                    if not math.isfinite(sq):
+                        raise UpdateRejected(f"update of {name!r} has NaN or Inf values")
+                    total += sq
+                self._norm = math.sqrt(total)
+                return self._norm
             for name, chunks in self._lazy_tensors(squares=True):
                 sq = 0.0  # per tensor, chunk by chunk: the sum _sq_norm forms for a dense tensor
                 for _, v in chunks:
@@ -368,6 +386,16 @@ class Update:
         out = {name: flat[a:a + n].view(shapes[name]) for name, (a, n) in layout_offsets.items()}
         out.update({name: t.view(shapes[name]) for name, t in self.ints.items()})
         return out
+
+
+def _lazy_segments(codec, read, layout, offsets: Mapping[str, tuple[int, int]]) -> list:
+    """:attr:`Update.lazy` of what ``codec.decode_parts(..., lazy=True)`` read."""
+    lazy = []
+    for seg, group, aux, vals in read:
+        tensors = [(layout.tensors[i].name, layout.tensors[i].numel, layout.tensors[i].torch_dtype) for i in group]
+        source = vals if codec.reducer is None else _Expanded(codec.reducer, vals, aux, seg)
+        lazy.append((offsets[tensors[0][0]][0], source, tensors))
+    return lazy
 
 
 class Accumulator:
@@ -399,13 +427,11 @@ class Accumulator:
         self.codec = codec
         self.layout = layout
         self.device = torch.device(device)
-        self._offsets: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for t in layout.tensors:
-            if t.is_float:
-                self._offsets[t.name] = (offset, t.numel)
-                offset += t.numel
+        self._offsets = self.offsets(layout)
+        offset = sum(n for _, n in self._offsets.values())
         self._numel = offset
+        # replies read at once (Codec.read_run) where every sum takes the values as they are
+        self._runs = all(t.torch_dtype in (torch.float32, torch.float64) for t in layout.tensors if t.is_float)
         self._shapes = {t.name: t.shape for t in layout.tensors}
         self._start_list = [start for start, _ in self._offsets.values()]  # ascending: layout order
         self._names = list(self._offsets)
@@ -422,6 +448,16 @@ class Accumulator:
             isinstance(codec, Codec) and isinstance(reducer, Selector) and type(reducer).expand is Selector.expand
         )
         self.reset()
+
+    @staticmethod
+    def offsets(layout) -> dict[str, tuple[int, int]]:
+        """(offset in the flat float buffer, numel) of each float tensor, in layout order."""
+        out, offset = {}, 0
+        for t in layout.tensors:
+            if t.is_float:
+                out[t.name] = (offset, t.numel)
+                offset += t.numel
+        return out
 
     # -- decoding ------------------------------------------------------------------------------
     def decode(self, payload: bytes, *, round: int = 0, codec=None) -> Update:
@@ -441,14 +477,16 @@ class Accumulator:
                 parts.append((self._offsets[self.layout.tensors[group[0]].name][0], idx, vals))
             ints = {self.layout.tensors[i].name: t for i, t in raw.items()}
         elif isinstance(codec, Codec):
+            got = codec.read_run(payload, self.layout, self.device) if self._runs else None
+            if got is not None:  # every segment at once: compiled check and add
+                run, raw = got
+                update = Update([], {self.layout.tensors[i].name: t for i, t in raw.items()}, nbytes=len(payload),
+                                run=run, names=self._names)
+                update.norm()
+                return update
             # dense values stay coded (quantizers: Values) or factored (reducers), built chunk by chunk
             read, raw = codec.decode_parts(payload, self.layout, self.device, round=round, lazy=codec.reducer is None)
-            lazy = []
-            for seg, group, aux, vals in read:
-                tensors = [(self.layout.tensors[i].name, self.layout.tensors[i].numel, self.layout.tensors[i].torch_dtype)
-                           for i in group]
-                source = vals if codec.reducer is None else _Expanded(codec.reducer, vals, aux, seg)
-                lazy.append((self._offsets[tensors[0][0]][0], source, tensors))
+            lazy = _lazy_segments(codec, read, self.layout, self._offsets)
             update = Update([], {self.layout.tensors[i].name: t for i, t in raw.items()}, lazy=lazy, nbytes=len(payload))
             update.norm()  # the check: non-finite values raise here, before anything is added
             return update
@@ -524,14 +562,37 @@ class Accumulator:
     def _batchable(self, update: Update) -> bool:
         """Whether ``update`` can wait for a batched pass: CPU sums, only lazy segments (no
         positions or decoded values to hold), and a batch of more than one."""
-        return self.batch > 1 and self.device.type == "cpu" and not update.parts and bool(update.lazy)
+        if self.device.type != "cpu" or update.parts:
+            return False
+        return update.run is not None if not update.lazy else self.batch > 1
 
     def flush(self) -> None:
         """Add the waiting replies (see ``batch``): per tensor, per chunk of its sum, every reply
         in arrival order, each through its fused loop where it has one."""
         pending, self._pending, self._pending_bytes = self._pending, [], 0
-        if not pending:
-            return
+        i = 0
+        while i < len(pending):  # groups in arrival order: runs of one codec together, the rest alike
+            j = i + 1
+            run = pending[i][0].run is not None and not pending[i][0].lazy
+            while j < len(pending) and (pending[j][0].run is not None and not pending[j][0].lazy) == run and (
+                    not run or type(pending[j][0].run.quantizer) is type(pending[i][0].run.quantizer)
+                    and pending[j][0].run.quantizer.config == pending[i][0].run.quantizer.config):
+                j += 1
+            if run:
+                self._add_runs(pending[i:j])
+            else:
+                self._flush_lazy(pending[i:j])
+            i = j
+
+    def _add_runs(self, pending: list[tuple[Update, float]]) -> None:
+        """Replies read at once (:attr:`Update.run`) into the sums in one compiled call."""
+        sums = np.fromiter((self._sums[name].data_ptr() for name in self._names), dtype=np.int64,
+                           count=len(self._names))
+        q = pending[0][0].run.quantizer
+        q._add_runs(kernels.get(), [u.run for u, _ in pending], np.array([w for _, w in pending], dtype=np.float64),
+                    sums, SUM_CHUNK)
+
+    def _flush_lazy(self, pending: list[tuple[Update, float]]) -> None:
         plans = []  # per reply: tensor name -> (adder or None, source, offset in the segment, dtype)
         for update, w in pending:
             plan = {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fedcomp
-from fedcomp import codec as codec_module, kernels, quantizers
+from fedcomp import aggregate, codec as codec_module, kernels, quantizers
 
 pytestmark = pytest.mark.skipif(kernels.get() is None, reason="numba not installed")
 
@@ -49,3 +49,65 @@ def test_a_run_writes_the_bytes_of_one_by_one_writes(spec, special, monkeypatch)
     assert codec.encode(update, nonce=9, round=2).payload == run
     monkeypatch.setenv("FEDCOMP_KERNELS", "0")  # the torch path: the same bytes again
     assert codec.encode(update, nonce=9, round=2).payload == run
+
+
+# -- the server's side: a reply read at once (Codec.read_run), checked and added in one call each --
+READ_SPECS = ["kbit(bits=4)", "kbit(bits=3,block=100)", "kbit(bits=8,block=0)", "kbit(bits=2,stochastic=true)"]
+WEIGHTS = (1, 3.0, 0.3, 1e-7, 12345)
+
+
+def _fp_model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(71, 47, generator=g), "b": torch.randn(5, generator=g), "one": torch.randn(1, generator=g),
+            "d": torch.randn(4, 3, 70, generator=g).double(), "n": torch.tensor([seed]), "big": torch.randn(3001, generator=g)}
+
+
+def _sum(codec, payloads, batch, runs_on, monkeypatch):
+    layout = fedcomp.Layout.of(_fp_model(0))
+    acc = aggregate.Accumulator(codec, layout, batch=batch)
+    with monkeypatch.context() as m:
+        if not runs_on:
+            m.setattr(type(codec), "read_run", lambda *a: None)
+        norms = []
+        for p, w in zip(payloads, WEIGHTS):
+            update = acc.decode(p, round=1)
+            assert (update.run is not None) == runs_on
+            norms.append(update.norm())
+            acc.add_update(update, w)
+        return norms, acc.sum()
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("spec", READ_SPECS)
+def test_replies_read_at_once_sum_to_the_bits_of_the_per_segment_path(spec, batch, monkeypatch):
+    monkeypatch.setattr(aggregate, "CHUNK", 600)  # chunks start inside blocks and tensors
+    monkeypatch.setattr(aggregate, "SUM_CHUNK", 500)
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    codec = fedcomp.build_codec(spec)
+    payloads = [codec.encode(_fp_model(i), nonce=i, round=1).payload for i in range(1, len(WEIGHTS) + 1)]
+    norms, sums = _sum(codec, payloads, batch, True, monkeypatch)
+    ref_norms, ref_sums = _sum(codec, payloads, batch, False, monkeypatch)
+    assert norms == ref_norms
+    assert sums.keys() == ref_sums.keys()
+    for name in sums:
+        assert torch.equal(sums[name], ref_sums[name]), name
+
+
+def test_a_reply_read_at_once_is_refused_for_a_value_not_finite_and_gives_its_pieces(monkeypatch):
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    codec = fedcomp.build_codec("kbit(bits=4)")
+    layout = fedcomp.Layout.of(_fp_model(0))
+    acc = aggregate.Accumulator(codec, layout)
+    bad = _fp_model(1)
+    bad["d"][1, 2, 3] = float("nan")
+    with pytest.raises(aggregate.UpdateRejected, match="'d'"):
+        acc.decode(codec.encode(bad, nonce=1).payload)
+    payload = codec.encode(_fp_model(2), nonce=2).payload
+    update = acc.decode(payload)
+    assert update.run is not None
+    dense = update.dense(acc._offsets, acc._shapes)  # read the per-segment way, on demand
+    decoded = codec.decode(payload, layout)
+    for name in ("w", "b", "one", "big"):
+        assert torch.equal(dense[name], decoded[name]), name
+    with pytest.raises(fedcomp.DecodeError):
+        acc.decode(payload[:-30] + payload[-4:])
