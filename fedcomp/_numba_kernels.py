@@ -1151,3 +1151,108 @@ def kbit_add_runs(bodies, coffs, ns, p0, lo, scale, block, bits, sums, w, chunk,
                 body = carray(_u8_at(bodies[r]), (end,))
                 unpack(body[coffs[s] + a * bits // 8:], j - a, bits, codes)
                 kbit(codes, lo[r, b:], scale[r, b:], size, i - a, j - a, no, sm[i:j], w[r], True)
+
+
+@njit(cache=True, nogil=True)
+def qsgd_sq_run(body, coffs, ns, p0, unit, bucket, bits, chunk, codes, out):
+    """:func:`kbit_sq_run` for QSGD codes (``unit``: norm / levels per bucket, fp32)."""
+    for s in range(ns.shape[0]):
+        n = ns[s]
+        size, u = _geometry(n, bucket, bits)
+        tot = 0.0
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            a = i - i % u
+            unpack(body[coffs[s] + a * bits // 8:], j - a, bits, codes)
+            tot += qsgd_sq(codes, unit[p0[s] + a // size:], bits - 1, size, i - a, j - a)
+        out[s] = tot
+
+
+@njit(cache=True, nogil=True)
+def qsgd_add_runs(bodies, coffs, ns, p0, unit, bucket, bits, sums, w, chunk, codes):
+    """:func:`kbit_add_runs` for QSGD codes (``unit[r]``: reply r's norm / levels per bucket)."""
+    no = np.empty(0, dtype=np.float32)
+    for s in range(ns.shape[0]):
+        n = ns[s]
+        size, u = _geometry(n, bucket, bits)
+        end = coffs[s] + (n * bits + 7) // 8
+        sm = carray(_f64_at(sums[s]), (n,))
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            a = i - i % u
+            b = p0[s] + a // size
+            for r in range(bodies.shape[0]):
+                body = carray(_u8_at(bodies[r]), (end,))
+                unpack(body[coffs[s] + a * bits // 8:], j - a, bits, codes)
+                qsgd(codes, unit[r, b:], bits - 1, size, i - a, j - a, no, sm[i:j], w[r], True)
+
+
+@njit(cache=True, nogil=True)
+def sign_sq_run(ns, p0, scale, block, chunk, out):
+    """Per segment: sum over its blocks of (elements) x scale^2, ``chunk`` elements at a time
+    (sequential float64 sums: within a few ulps of the per-segment path's dot products)."""
+    for s in range(ns.shape[0]):
+        n = ns[s]
+        size = n if block == 0 or block >= n else block
+        tot = 0.0
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            part = 0.0
+            for bk in range(i // size, (j - 1) // size + 1):
+                v = np.float64(scale[p0[s] + bk])
+                part += np.float64(min(j, (bk + 1) * size) - max(i, bk * size)) * (v * v)
+            tot += part
+        out[s] = tot
+
+
+@njit(cache=True, nogil=True)
+def sign_add_runs(bodies, coffs, ns, p0, scale, block, sums, w, chunk, flags):
+    """:func:`kbit_add_runs` for sign bits (``scale[r]``: reply r's scale per block)."""
+    no = np.empty(0, dtype=np.float32)
+    for s in range(ns.shape[0]):
+        n = ns[s]
+        size, u = _geometry(n, block, 1)
+        end = coffs[s] + (n + 7) // 8
+        sm = carray(_f64_at(sums[s]), (n,))
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            a = i - i % u
+            b = p0[s] + a // size
+            for r in range(bodies.shape[0]):
+                body = carray(_u8_at(bodies[r]), (end,))
+                unpack(body[coffs[s] + a // 8:], j - a, 1, flags)
+                sign(flags, scale[r, b:], size, i - a, j - a, no, sm[i:j], w[r], True)
+
+
+@njit(cache=True, nogil=True)
+def raw_sq_run(body, coffs, ns, kind, chunk, out):
+    """Per segment, the sum of squares of raw values (kind 0: fp32, 1: fp16, 2: bf16), ``chunk``
+    at a time (:func:`sumsq`, :func:`half_sq`)."""
+    width = 4 if kind == 0 else 2
+    for s in range(ns.shape[0]):
+        n = ns[s]
+        o = coffs[s]
+        tot = 0.0
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            raw = body[o + width * i:o + width * j]
+            tot += sumsq(raw.view(np.float32)) if kind == 0 else half_sq(raw.view(np.uint16), kind == 2)
+        out[s] = tot
+
+
+@njit(cache=True, nogil=True)
+def raw_add_runs(bodies, coffs, ns, kind, sums, w, chunk):
+    """:func:`kbit_add_runs` for raw values (kind 0: fp32, 1: fp16, 2: bf16)."""
+    width = 4 if kind == 0 else 2
+    for s in range(ns.shape[0]):
+        n = ns[s]
+        o = coffs[s]
+        sm = carray(_f64_at(sums[s]), (n,))
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            for r in range(bodies.shape[0]):
+                raw = carray(_u8_at(bodies[r]), (o + width * n,))[o + width * i:o + width * j]
+                if kind == 0:
+                    add_f32(raw.view(np.float32), sm[i:j], w[r])
+                else:
+                    add_half(raw.view(np.uint16), kind == 2, sm[i:j], w[r])

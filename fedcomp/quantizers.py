@@ -487,6 +487,24 @@ def _block_params(body: np.ndarray, offs: np.ndarray, nb: np.ndarray, per: int) 
     return params, p0
 
 
+class _RawRuns:
+    """Reading runs of raw values (none(): fp32, fp16, bf16); ``_raw_kind`` 0, 1 or 2."""
+
+    _raw_kind = 0
+
+    def read_run(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray, read: tuple) -> RunReply:
+        return RunReply(self, body, ns, offs, (), np.zeros(ns.shape[0] + 1, dtype=np.int64), read)
+
+    def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
+        out = np.empty(run.ns.shape[0], dtype=np.float64)
+        k.raw_sq_run(run.body, run.coffs, run.ns, self._raw_kind, chunk, out)
+        return out
+
+    def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
+        k.raw_add_runs(np.array([r.address for r in runs], dtype=np.int64), runs[0].coffs, runs[0].ns, self._raw_kind,
+                       sums, w, chunk)
+
+
 def _run_keys(keys: list) -> tuple[np.ndarray, np.ndarray]:
     """Per-segment stream keys (None: no stream) as the kernels take them."""
     k0 = np.fromiter((0 if key is None else key[0] for key in keys), dtype=np.uint32, count=len(keys))
@@ -515,7 +533,7 @@ def _key32(key: tuple[int, int] | None) -> tuple[np.uint32, np.uint32]:
 
 
 @register
-class Identity(Quantizer):
+class Identity(_RawRuns, Quantizer):
     """Plain fp32 values (lossless)."""
 
     name = "none"
@@ -554,7 +572,7 @@ class Identity(Quantizer):
         return Values(count, 1, lambda lo, hi: data[4 * lo:4 * hi].clone().view(torch.float32).to(device), device)
 
 
-class _HalfFloat(Quantizer):
+class _HalfFloat(_RawRuns, Quantizer):
     dtype: torch.dtype
 
     @dataclass(frozen=True)
@@ -568,6 +586,10 @@ class _HalfFloat(Quantizer):
         y = x.clamp(-_FP16_MAX, _FP16_MAX).to(self.dtype) if self.dtype == torch.float16 else x.to(self.dtype)
         out.tensor(y)
         return y.float()
+
+    @property
+    def _raw_kind(self) -> int:  # type: ignore[override]
+        return 2 if self.dtype == torch.bfloat16 else 1
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
         """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.half_run`)."""
@@ -804,6 +826,23 @@ class Sign(Quantizer):
         out.tensor(scale_out)
         out.tensor(codes)
         return scale_out
+
+    def read_run(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray, read: tuple) -> RunReply:
+        """Every segment's scales and sign bits (:class:`RunReply`)."""
+        nb = np.fromiter((blocks(n, self.config.block) for n in ns.tolist()), dtype=np.int64, count=ns.shape[0])
+        scale, p0 = _block_params(body, offs, nb, 1)
+        return RunReply(self, body, ns, offs + 4 * nb, (scale,), p0, read)
+
+    def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
+        out = np.empty(run.ns.shape[0], dtype=np.float64)
+        k.sign_sq_run(run.ns, run.p0, run.params[0], self.config.block, chunk, out)
+        return out
+
+    def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
+        first, block = runs[0], self.config.block
+        k.sign_add_runs(np.array([r.address for r in runs], dtype=np.int64), first.coffs, first.ns, first.p0,
+                        np.stack([r.params[0] for r in runs]), block, sums, w, chunk,
+                        kernels.scratch(chunk + 8 * max(block, 1), np.uint8))
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
         """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.sign_run`); the scales
@@ -1229,6 +1268,27 @@ class QSGD(_EntropyCoded, Quantizer):
 
     def runs(self) -> bool:
         return self.config.coding == "packed" and self.config.norm == "max"  # l2 norms are torch's
+
+    def read_run(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray, read: tuple) -> RunReply:
+        """Every segment's norm / levels per bucket (fp32, as :meth:`read_values`) and codes."""
+        nb = np.fromiter((blocks(n, self.config.bucket) for n in ns.tolist()), dtype=np.int64, count=ns.shape[0])
+        norms, p0 = _block_params(body, offs, nb, 1)
+        with np.errstate(all="ignore"):  # a NaN or inf norm (fuzzed payloads) is refused by the check
+            unit = norms / np.float32(self.levels)
+        return RunReply(self, body, ns, offs + 4 * nb, (unit,), p0, read)
+
+    def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
+        out = np.empty(run.ns.shape[0], dtype=np.float64)
+        bucket, bits = self.config.bucket, self.config.bits
+        k.qsgd_sq_run(run.body, run.coffs, run.ns, run.p0, run.params[0], bucket, bits, chunk,
+                      kernels.scratch(chunk + 8 * max(bucket, 1), np.uint8), out)
+        return out
+
+    def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
+        first, bucket = runs[0], self.config.bucket
+        k.qsgd_add_runs(np.array([r.address for r in runs], dtype=np.int64), first.coffs, first.ns, first.p0,
+                        np.stack([r.params[0] for r in runs]), bucket, self.config.bits, sums, w, chunk,
+                        kernels.scratch(chunk + 8 * max(bucket, 1), np.uint8))
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
         """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.qsgd_run`)."""
