@@ -1256,3 +1256,20 @@ def raw_add_runs(bodies, coffs, ns, kind, sums, w, chunk):
                     add_f32(raw.view(np.float32), sm[i:j], w[r])
                 else:
                     add_half(raw.view(np.uint16), kind == 2, sm[i:j], w[r])
+
+
+@njit(cache=True, nogil=True)
+def tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, chunk, codes, ok):
+    """TernGrad.write of each segment i with ok[i] at region[offs[i]:] (s, then packed 2-bit
+    codes, :func:`tern_codes` ``chunk`` (a multiple of 4) elements at a time)."""
+    for i in range(ptrs.shape[0]):
+        if not ok[i]:
+            continue
+        n = ns[i]
+        x = _segment(ptrs, ns, i)
+        o = offs[i]
+        _put_f32(s32[i:i + 1], region, o)
+        for a in range(0, n, chunk):
+            e = min(n, a + chunk)
+            tern_codes(x[a:e], s32[i], bound32[i], clips[i], k0s[i], k1s[i], a, codes)
+            pack(codes, e - a, 2, region[o + 4 + a // 4:o + 4 + a // 4 + (e - a + 3) // 4])

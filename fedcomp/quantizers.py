@@ -1457,12 +1457,7 @@ class TernGrad(Quantizer):
         if stats is None:  # no kernels, or a value is not finite
             k = None
             stats = _tern_stats_torch(x, clip)
-        amax, bound = stats
-        s32, bound32 = amax, np.float32(np.inf)
-        if clip:
-            with np.errstate(invalid="ignore", over="ignore"):  # std past fp32's range: inf
-                bound32 = np.float32(np.float32(self.config.clip) * np.float32(bound))
-                s32 = np.minimum(amax, bound32)
+        s32, bound32 = self._scale(*stats, clip)
         s_out = out.empty(1, torch.float32, x.device)  # the writer's places go in the order they are written
         packed = out.empty(packed_bytes(m, 2), torch.uint8, x.device)
         step = min(m, max(4, _ENCODE_CHUNK // 4 * 4))  # a multiple of 4 codes: chunks end on a byte
@@ -1496,6 +1491,33 @@ class TernGrad(Quantizer):
         out.tensor(s_out.copy_(s_t))
         out.tensor(packed)
         return s_t, packed
+
+    def _scale(self, amax, bound, clip: bool) -> tuple[np.float32, np.float32]:
+        """(s, the clip bound) in fp32 from max |x| and std (``bound``)."""
+        s32, bound32 = amax, np.float32(np.inf)
+        if clip:
+            with np.errstate(invalid="ignore", over="ignore"):  # std past fp32's range: inf
+                bound32 = np.float32(np.float32(self.config.clip) * np.float32(bound))
+                s32 = np.minimum(amax, bound32)
+        return s32, bound32
+
+    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
+        """:func:`write_run`'s compiled call for the codes (:func:`fedcomp._numba_kernels.tern_run`);
+        s and the clip bound per segment here, as :meth:`_write` computes them (a segment with a
+        value not finite is left to it: ok False)."""
+        count = len(xs)
+        s32, bound32 = np.zeros(count, dtype=np.float32), np.zeros(count, dtype=np.float32)
+        clips, keys = np.zeros(count, dtype=np.bool_), []
+        for i, x in enumerate(xs):
+            keys.append(uniforms.draw_key(gen(i), x.device))
+            clips[i] = self.config.clip > 0 and x.numel() > 1
+            stats = _tern_stats_kernel(x, bool(clips[i]), k)
+            ok[i] = stats is not None
+            if stats is not None:
+                s32[i], bound32[i] = self._scale(*stats, bool(clips[i]))
+        k0s, k1s = _run_keys(keys)
+        step = max(4, _ENCODE_CHUNK // 4 * 4)
+        k.tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, step, kernels.scratch(step, np.uint8), ok)
 
     def _values(self, s: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         s = s.reshape(())

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(kernels.get() is None, reason="numba not install
 SPECS = ["kbit(bits=4)", "kbit(bits=8)", "kbit(bits=3,block=100)", "kbit(bits=2,block=0)",
          "kbit(bits=5,stochastic=true)", "kbit(bits=4,block=33,stochastic=true)", "qsgd(bits=4)", "qsgd(bits=8,bucket=0)",
          "qsgd(bits=3,bucket=100)", "sign()", "sign(block=100)", "sign(scale='rms')", "sign(block=3000,scale='rms')",
-         "twobit(threshold=0.5)", "fp16()", "bf16()", "none()"]
+         "twobit(threshold=0.5)", "fp16()", "bf16()", "none()", "terngrad()", "terngrad(clip=0)"]
 
 
 def _update(special: str = "") -> dict[str, torch.Tensor]:
