@@ -1273,3 +1273,49 @@ def tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, chunk, codes
             e = min(n, a + chunk)
             tern_codes(x[a:e], s32[i], bound32[i], clips[i], k0s[i], k1s[i], a, codes)
             pack(codes, e - a, 2, region[o + 4 + a // 4:o + 4 + a // 4 + (e - a + 3) // 4])
+
+
+@njit(cache=True, nogil=True)
+def ternary_bad_run(body, coffs, ns, bad):
+    """The first segment whose 2-bit codes hold the unused code ``bad``, or -1."""
+    for s in range(ns.shape[0]):
+        if ns[s] and count_codes2(body[coffs[s]:], ns[s])[bad]:
+            return s
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def ternary_sq_run(body, coffs, ns, table, chunk, out):
+    """Per segment: sum of (count of each code) x table[s, code]^2, ``chunk`` elements at a time
+    (sequential float64 sums: within a few ulps of the per-segment path's dot products)."""
+    for s in range(ns.shape[0]):
+        n = ns[s]
+        tot = 0.0
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            a = i - i % 4
+            data = body[coffs[s] + a // 4:]
+            c = count_codes2(data, j - a) - count_codes2(data, i - a)
+            part = 0.0
+            for q in range(4):
+                v = np.float64(table[s, q])
+                part += np.float64(c[q]) * (v * v)
+            tot += part
+        out[s] = tot
+
+
+@njit(cache=True, nogil=True)
+def ternary_add_runs(bodies, coffs, ns, table, sums, w, chunk, codes):
+    """:func:`kbit_add_runs` for 2-bit codes valued table[r, s, code] (twobit, terngrad)."""
+    no = np.empty(0, dtype=np.float32)
+    for s in range(ns.shape[0]):
+        n = ns[s]
+        end = coffs[s] + (n * 2 + 7) // 8
+        sm = carray(_f64_at(sums[s]), (n,))
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            a = i - i % 4
+            for r in range(bodies.shape[0]):
+                body = carray(_u8_at(bodies[r]), (end,))
+                unpack(body[coffs[s] + a // 4:], j - a, 2, codes)
+                table2(codes, table[r, s], i - a, j - a, no, sm[i:j], w[r], True)

@@ -505,6 +505,28 @@ class _RawRuns:
                        sums, w, chunk)
 
 
+class _TernaryRuns:
+    """Reading runs of 2-bit codes with one unused code (twobit, terngrad): ``_bad`` the unused
+    code and its message; ``_tables(body, ns, offs)`` -> (code offsets, fp32 value per code per
+    segment)."""
+
+    def read_run(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray, read: tuple) -> RunReply:
+        coffs, table = self._tables(body, ns, offs)
+        bad, message = self._bad
+        if kernels.get().ternary_bad_run(body, coffs, ns, bad) >= 0:
+            raise DecodeError(message)
+        return RunReply(self, body, ns, coffs, (table,), np.zeros(ns.shape[0] + 1, dtype=np.int64), read)
+
+    def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
+        out = np.empty(run.ns.shape[0], dtype=np.float64)
+        k.ternary_sq_run(run.body, run.coffs, run.ns, run.params[0], chunk, out)
+        return out
+
+    def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
+        k.ternary_add_runs(np.array([r.address for r in runs], dtype=np.int64), runs[0].coffs, runs[0].ns,
+                           np.stack([r.params[0] for r in runs]), sums, w, chunk, kernels.scratch(chunk + 4, np.uint8))
+
+
 def _run_keys(keys: list) -> tuple[np.ndarray, np.ndarray]:
     """Per-segment stream keys (None: no stream) as the kernels take them."""
     k0 = np.fromiter((0 if key is None else key[0] for key in keys), dtype=np.uint32, count=len(keys))
@@ -929,7 +951,7 @@ class FixedSign(Quantizer):
 
 
 @register
-class TwoBit(Quantizer):
+class TwoBit(_TernaryRuns, Quantizer):
     """MXNet's 2-bit codec: x >= t -> +t (11), x <= -t -> -t (10), else 0 (00).
 
     Elementwise |error| <= |x|: the remainder stays in the residual (error feedback). ``t`` is an
@@ -957,6 +979,12 @@ class TwoBit(Quantizer):
         codes = torch.where(x >= t, 3, torch.where(x <= -t, 2, 0)).to(torch.uint8)
         out.tensor(pack_bits(codes, 2))
         return self._values(codes)
+
+    _bad = (1, "twobit payload holds the unused code 01")
+
+    def _tables(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        t = self.config.threshold
+        return offs, np.tile(np.array([0.0, 0.0, -t, t], dtype=np.float32), (ns.shape[0], 1))
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
         """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.twobit_run`)."""
@@ -1399,7 +1427,7 @@ def _tern_stats_torch(x: torch.Tensor, clip: bool):
 
 
 @register
-class TernGrad(Quantizer):
+class TernGrad(_TernaryRuns, Quantizer):
     """TernGrad (Wen et al. 2017): s * sign(g) * b, b ~ Bernoulli(|g| / s), s = max|g| per segment.
 
     With ``clip`` > 0, g is first clipped to +-clip * std(g) (biased; error feedback keeps the
@@ -1491,6 +1519,15 @@ class TernGrad(Quantizer):
         out.tensor(s_out.copy_(s_t))
         out.tensor(packed)
         return s_t, packed
+
+    _bad = (3, "terngrad payload holds the unused code 11")
+
+    def _tables(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        nb = (ns > 0).astype(np.int64)  # one s per non-empty segment
+        s, p0 = _block_params(body, offs, nb, 1)
+        per = np.zeros(ns.shape[0], dtype=np.float32)
+        per[nb > 0] = s
+        return offs + 4 * nb, np.stack([np.zeros_like(per), per, -per, np.zeros_like(per)], axis=1)
 
     def _scale(self, amax, bound, clip: bool) -> tuple[np.float32, np.float32]:
         """(s, the clip bound) in fp32 from max |x| and std (``bound``)."""

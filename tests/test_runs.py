@@ -4,6 +4,8 @@ with segments the kernels refuse (not finite, all zeros) written the one-by-one 
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -54,7 +56,8 @@ def test_a_run_writes_the_bytes_of_one_by_one_writes(spec, special, monkeypatch)
 # -- the server's side: a reply read at once (Codec.read_run), checked and added in one call each --
 READ_SPECS = ["kbit(bits=4)", "kbit(bits=3,block=100)", "kbit(bits=8,block=0)", "kbit(bits=2,stochastic=true)",
               "qsgd(bits=4)", "qsgd(bits=3,bucket=100)", "qsgd(bits=8,bucket=0)", "sign()", "sign(block=100)",
-              "sign(scale='rms',block=33)", "fp16()", "bf16()", "none()"]
+              "sign(scale='rms',block=33)", "fp16()", "bf16()", "none()", "twobit(threshold=0.5)", "terngrad()",
+              "terngrad(clip=0)"]
 WEIGHTS = (1, 3.0, 0.3, 1e-7, 12345)
 
 
@@ -89,7 +92,7 @@ def test_replies_read_at_once_sum_to_the_bits_of_the_per_segment_path(spec, batc
     payloads = [codec.encode(_fp_model(i), nonce=i, round=1).payload for i in range(1, len(WEIGHTS) + 1)]
     norms, sums = _sum(codec, payloads, batch, True, monkeypatch)
     ref_norms, ref_sums = _sum(codec, payloads, batch, False, monkeypatch)
-    if spec.startswith("sign"):  # sequential sums of block counts x scale^2 against numpy's dot
+    if spec.startswith(("sign", "twobit", "terngrad")):  # sequential sums of counts x squares, numpy's dot
         assert norms == pytest.approx(ref_norms, rel=1e-12)
     else:
         assert norms == ref_norms
@@ -98,7 +101,7 @@ def test_replies_read_at_once_sum_to_the_bits_of_the_per_segment_path(spec, batc
         assert torch.equal(sums[name], ref_sums[name]), name
 
 
-@pytest.mark.parametrize("spec", ["kbit(bits=4)", "qsgd(bits=4)", "sign()", "fp16()", "bf16()", "none()"])
+@pytest.mark.parametrize("spec", ["kbit(bits=4)", "qsgd(bits=4)", "sign()", "fp16()", "bf16()", "none()", "terngrad()"])
 def test_a_reply_read_at_once_is_refused_for_a_value_not_finite_and_gives_its_pieces(spec, monkeypatch):
     monkeypatch.setenv("FEDCOMP_KERNELS", "1")
     codec = fedcomp.build_codec(spec)
@@ -117,3 +120,16 @@ def test_a_reply_read_at_once_is_refused_for_a_value_not_finite_and_gives_its_pi
         assert torch.equal(dense[name], decoded[name]), name
     with pytest.raises(fedcomp.DecodeError):
         acc.decode(payload[:-30] + payload[-4:])
+
+
+@pytest.mark.parametrize("spec,code", [("twobit()", 1), ("terngrad()", 3)])
+def test_a_reply_read_at_once_with_the_unused_two_bit_code_is_refused(spec, code, monkeypatch):
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    codec = fedcomp.build_codec(spec)
+    layout = fedcomp.Layout.of(_fp_model(0))
+    payload = bytearray(codec.encode(_fp_model(1), nonce=1).payload)
+    at = len(payload) - 4 - 8 - 100  # in the last float tensor's codes ("big": 751 bytes), before the raw "n"
+    payload[at] = (code << 6) | (payload[at] & 0x3F)
+    payload[-4:] = zlib.crc32(payload[:-4]).to_bytes(4, "little")
+    with pytest.raises(fedcomp.DecodeError, match="unused code"):
+        aggregate.Accumulator(codec, layout).decode(bytes(payload))
