@@ -1087,15 +1087,6 @@ def half_run(ptrs, ns, brain, limit, offs, region):
         to_half(_segment(ptrs, ns, i), brain, limit, region[o:o + 2 * n].view(np.uint16))
 
 
-@njit(cache=True, nogil=True)
-def copy_run(ptrs, ns, offs, region):
-    """none().write of each segment at region[offs[i]:] (its fp32 bytes)."""
-    for i in range(ptrs.shape[0]):
-        n = ns[i]
-        o = offs[i]
-        region[o:o + 4 * n].view(np.float32)[:] = _segment(ptrs, ns, i)
-
-
 # -- reading runs: every segment of a reply in one call (the server's check and add) -------------
 @njit(cache=True, nogil=True)
 def gather(body, starts, lens, out):
@@ -1103,9 +1094,18 @@ def gather(body, starts, lens, out):
     o = 0
     for i in range(starts.shape[0]):
         a = starts[i]
-        for j in range(lens[i]):
-            out[o + j] = body[a + j]
+        out[o:o + lens[i]] = body[a:a + lens[i]]
         o += lens[i]
+
+
+@njit(inline="always")
+def _codes(body, at, count, bits, scratch):
+    """``count`` codes of ``bits`` bits from body[at:]: the bytes themselves for 8 bits, else
+    unpacked into ``scratch``."""
+    if bits == 8:
+        return body[at:at + count]
+    unpack(body[at:], count, bits, scratch)
+    return scratch[:count]
 
 
 @njit(inline="always")
@@ -1126,9 +1126,9 @@ def kbit_sq_run(body, coffs, ns, p0, lo, scale, block, bits, levels, chunk, code
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
             a = i - i % unit
-            unpack(body[coffs[s] + a * bits // 8:], j - a, bits, codes)
             b = p0[s] + a // size
-            tot += kbit_sq(codes, lo[b:], scale[b:], size, i - a, j - a, levels)
+            c = _codes(body, coffs[s] + a * bits // 8, j - a, bits, codes)
+            tot += kbit_sq(c, lo[b:], scale[b:], size, i - a, j - a, levels)
         out[s] = tot
 
 
@@ -1149,8 +1149,8 @@ def kbit_add_runs(bodies, coffs, ns, p0, lo, scale, block, bits, sums, w, chunk,
             b = p0[s] + a // size
             for r in range(bodies.shape[0]):
                 body = carray(_u8_at(bodies[r]), (end,))
-                unpack(body[coffs[s] + a * bits // 8:], j - a, bits, codes)
-                kbit(codes, lo[r, b:], scale[r, b:], size, i - a, j - a, no, sm[i:j], w[r], True)
+                c = _codes(body, coffs[s] + a * bits // 8, j - a, bits, codes)
+                kbit(c, lo[r, b:], scale[r, b:], size, i - a, j - a, no, sm[i:j], w[r], True)
 
 
 @njit(cache=True, nogil=True)
@@ -1163,8 +1163,8 @@ def qsgd_sq_run(body, coffs, ns, p0, unit, bucket, bits, chunk, codes, out):
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
             a = i - i % u
-            unpack(body[coffs[s] + a * bits // 8:], j - a, bits, codes)
-            tot += qsgd_sq(codes, unit[p0[s] + a // size:], bits - 1, size, i - a, j - a)
+            c = _codes(body, coffs[s] + a * bits // 8, j - a, bits, codes)
+            tot += qsgd_sq(c, unit[p0[s] + a // size:], bits - 1, size, i - a, j - a)
         out[s] = tot
 
 
@@ -1183,8 +1183,8 @@ def qsgd_add_runs(bodies, coffs, ns, p0, unit, bucket, bits, sums, w, chunk, cod
             b = p0[s] + a // size
             for r in range(bodies.shape[0]):
                 body = carray(_u8_at(bodies[r]), (end,))
-                unpack(body[coffs[s] + a * bits // 8:], j - a, bits, codes)
-                qsgd(codes, unit[r, b:], bits - 1, size, i - a, j - a, no, sm[i:j], w[r], True)
+                c = _codes(body, coffs[s] + a * bits // 8, j - a, bits, codes)
+                qsgd(c, unit[r, b:], bits - 1, size, i - a, j - a, no, sm[i:j], w[r], True)
 
 
 @njit(cache=True, nogil=True)
