@@ -16,9 +16,12 @@ No names, shapes or pickles travel. The body is written as device tensors and co
 the host once (``Writer.getvalue``); decoding reads through ``Reader``, which checks every
 length before it slices.
 
-Copies: an encode copies each body part once, into the final ``bytes`` (on CUDA: once to pinned
-host memory, then once into the bytes); a decode reads the payload in place (no slice of it
-is copied) and copies only the values it hands out. The CRC32 is ISA-L's (``isal``, about 4x
+Copies: where the payload's size is known before encoding (dense codecs: ``Writer(size=...)``),
+the final ``bytes`` is allocated first (in huge pages where large) and the quantizers write their
+codes into it (:meth:`Writer.empty`): no body byte is copied. Otherwise an encode copies each body
+part once, into the final ``bytes`` (on CUDA: once to pinned host memory, then once into the
+bytes). A decode reads the payload in place (no slice of it is copied) and copies only the
+values it hands out. The CRC32 is ISA-L's (``isal``, about 4x
 zlib's speed, the same checksum) where installed, zlib's otherwise.
 """
 
