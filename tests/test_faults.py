@@ -534,7 +534,7 @@ def test_supernode_killed_and_restarted_resyncs_and_run_goes_on(tmp_path):
 
     from fedcomp.simulations.certs import make_node_keys
 
-    rounds = 5  # killed after round 2: a resync, a full model and an ok reply fit in rounds 3-5
+    rounds = 6
     with deploy.deployment(tmp_path / "deploy", 2, tls=True, auth=True) as dep:
         # SuperNode authentication: the two registered keys are activated; a key that was never
         # registered, started next to the run, is refused (checked when the run is over)
