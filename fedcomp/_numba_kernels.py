@@ -69,34 +69,20 @@ def _f32_half(typingctx, v):
     return sig, codegen
 
 
-@intrinsic
-def _f32_at(typingctx, address):
-    """A pointer to the fp32 values at ``address`` (an int64: a CPU tensor's ``data_ptr()``)."""
-    sig = types.CPointer(types.float32)(types.int64)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
-    return sig, codegen
-
-
-@intrinsic
-def _f64_at(typingctx, address):
-    """A pointer to the float64 values at ``address`` (a CPU tensor's ``data_ptr()``)."""
-    sig = types.CPointer(types.float64)(types.int64)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], ir.PointerType(ir.DoubleType()))
-    return sig, codegen
+def _pointer(to, to_ir, doc):
+    """An intrinsic: a pointer to values of type ``to`` at its int64 argument, an address (a CPU
+    tensor's ``data_ptr()``, a numpy array's ``ctypes.data``; the caller keeps the memory alive)."""
+    def impl(typingctx, address):
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], ir.PointerType(to_ir))
+        return types.CPointer(to)(types.int64), codegen
+    impl.__doc__ = doc
+    return intrinsic(impl)
 
 
-@intrinsic
-def _u8_at(typingctx, address):
-    """A pointer to the bytes at ``address`` (a numpy array's ``ctypes.data``)."""
-    sig = types.CPointer(types.uint8)(types.int64)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], ir.PointerType(ir.IntType(8)))
-    return sig, codegen
+_f32_at = _pointer(types.float32, ir.FloatType(), "A pointer to fp32 values at an address.")
+_f64_at = _pointer(types.float64, ir.DoubleType(), "A pointer to float64 values at an address.")
+_u8_at = _pointer(types.uint8, ir.IntType(8), "A pointer to bytes at an address.")
 
 
 @njit(inline="always")
