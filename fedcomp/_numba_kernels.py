@@ -969,6 +969,9 @@ def tern_codes(x, s, bound, clip, k0, k1, start, codes):
         codes[j] = (np.uint8(2) if v < 0 else np.uint8(1)) if keep else np.uint8(0)
 
 
+BLOCK_KBIT, BLOCK_QSGD, BLOCK_SIGN = 0, 1, 2  # what a block's parameters are (block_run, block_sq_run, ...)
+
+
 # -- runs: every segment of an update in one call (a write's Python costs ~100 us per segment) --
 @njit(inline="always")
 def _chunk_step(m, size, block, chunk):
@@ -979,51 +982,35 @@ def _chunk_step(m, size, block, chunk):
 
 
 @njit(cache=True, nogil=True)
-def kbit_run(ptrs, ns, block, levels, bits, stochastic, k0s, k1s, offs, region, chunk, params, codes, ok):
-    """KBit.write of each segment s (ns[s] fp32 values at ptrs[s]) at region[offs[s]:] ([lo, scale]
-    per block, then packed codes), step by step as KBit.write does: the same bytes. ok[s] False
-    where :func:`kbit_codes` refuses a step (the caller writes that segment its own way).
-    ``params`` / ``codes``: scratch for one step."""
+def block_run(kind, ptrs, ns, block, levels, bits, stochastic, k0s, k1s, offs, region, chunk, params, codes, ok):
+    """KBit.write (``kind`` BLOCK_KBIT: [lo, scale] per block) or QSGD.write with max norms
+    (BLOCK_QSGD: a norm per bucket) of each segment s (ns[s] fp32 values at ptrs[s]) at
+    region[offs[s]:], then its packed codes, step by step as the one-by-one write does: the same
+    bytes. ok[s] False where :func:`kbit_codes` / :func:`qsgd_codes` refuses a step (the caller
+    writes that segment its own way). ``params`` ((blocks, parameters per block)) / ``codes``:
+    scratch for one step."""
+    per = params.shape[1]
     for s in range(ptrs.shape[0]):
         n = ns[s]
         x = _segment(ptrs, ns, s)
         size = n if block == 0 or block >= n else block
         step = _chunk_step(n, size, block, chunk)
         o = offs[s]
-        at = o + 8 * ((n + size - 1) // size)  # the codes
+        at = o + 4 * per * ((n + size - 1) // size)  # the codes
         ok[s] = True
         for a in range(0, n, step):
             e = min(n, a + step)
             b0 = a // size
             nb = (e + size - 1) // size - b0
-            if not kbit_codes(x[a:e], size, levels, stochastic, k0s[s], k1s[s], a, params[:nb], codes):
+            p = params[:nb]
+            if kind == BLOCK_KBIT:
+                done = kbit_codes(x[a:e], size, levels, stochastic, k0s[s], k1s[s], a, p, codes)
+            else:
+                done = qsgd_codes(x[a:e], size, levels, bits - 1, True, p.reshape(nb), k0s[s], k1s[s], a, codes)
+            if not done:
                 ok[s] = False
                 break
-            _put_f32(params[:nb].reshape(2 * nb), region, o + 8 * b0)
-            lo = at + a * bits // 8
-            pack(codes, e - a, bits, region[lo:lo + ((e - a) * bits + 7) // 8])
-
-
-@njit(cache=True, nogil=True)
-def qsgd_run(ptrs, ns, bucket, levels, bits, k0s, k1s, offs, region, chunk, norms, codes, ok):
-    """QSGD.write (max norms) of each segment s at region[offs[s]:] (norm per bucket, then packed
-    codes), step by step: the same bytes; ok[s] False where :func:`qsgd_codes` refuses a step."""
-    for s in range(ptrs.shape[0]):
-        n = ns[s]
-        x = _segment(ptrs, ns, s)
-        size = n if bucket == 0 or bucket >= n else bucket
-        step = _chunk_step(n, size, bucket, chunk)
-        o = offs[s]
-        at = o + 4 * ((n + size - 1) // size)
-        ok[s] = True
-        for a in range(0, n, step):
-            e = min(n, a + step)
-            b0 = a // size
-            nb = (e + size - 1) // size - b0
-            if not qsgd_codes(x[a:e], size, levels, bits - 1, True, norms[:nb], k0s[s], k1s[s], a, codes):
-                ok[s] = False
-                break
-            _put_f32(norms[:nb], region, o + 4 * b0)
+            _put_f32(p.reshape(per * nb), region, o + 4 * per * b0)
             lo = at + a * bits // 8
             pack(codes, e - a, bits, region[lo:lo + ((e - a) * bits + 7) // 8])
 
@@ -1101,10 +1088,31 @@ def _geometry(n, block, bits):
     return size, (8 * size if block else 8)
 
 
+@njit(inline="always")
+def _block_sq(kind, c, prm, b, size, bits, levels, i0, i1):
+    """Sum of squares of codes c[i0:i1] of a blockwise quantizer (``prm``: its parameter rows, from
+    block b): kbit (lo, scale) or qsgd (norm / levels)."""
+    if kind == BLOCK_KBIT:
+        return kbit_sq(c, prm[0, b:], prm[1, b:], size, i0, i1, levels)
+    return qsgd_sq(c, prm[0, b:], bits - 1, size, i0, i1)
+
+
+@njit(inline="always")
+def _block_add(kind, c, prm, b, size, bits, i0, i1, s, w, no):
+    """s += w * values of codes c[i0:i1] of kbit (lo, scale), qsgd (norm / levels) or sign (scale)."""
+    if kind == BLOCK_KBIT:
+        kbit(c, prm[0, b:], prm[1, b:], size, i0, i1, no, s, w, True)
+    elif kind == BLOCK_QSGD:
+        qsgd(c, prm[0, b:], bits - 1, size, i0, i1, no, s, w, True)
+    else:
+        sign(c, prm[0, b:], size, i0, i1, no, s, w, True)
+
+
 @njit(cache=True, nogil=True)
-def kbit_sq_run(body, coffs, ns, p0, lo, scale, block, bits, levels, chunk, codes, out):
-    """out[s] = segment s's sum of squares, ``chunk`` elements at a time from its start as the
-    per-segment check sums them (kbit_sq), so the same float; inf or NaN where not finite."""
+def block_sq_run(kind, body, coffs, ns, p0, params, block, bits, levels, chunk, codes, out):
+    """out[s] = segment s's sum of squares (kbit or qsgd codes at body[coffs[s]:], parameter rows
+    ``params`` from block p0[s]), ``chunk`` elements at a time from its start as the per-segment
+    check sums them (kbit_sq, qsgd_sq), so the same float; inf or NaN where not finite."""
     for s in range(ns.shape[0]):
         n = ns[s]
         size, unit = _geometry(n, block, bits)
@@ -1112,17 +1120,17 @@ def kbit_sq_run(body, coffs, ns, p0, lo, scale, block, bits, levels, chunk, code
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
             a = i - i % unit
-            b = p0[s] + a // size
             c = _codes(body, coffs[s] + a * bits // 8, j - a, bits, codes)
-            tot += kbit_sq(c, lo[b:], scale[b:], size, i - a, j - a, levels)
+            tot += _block_sq(kind, c, params, p0[s] + a // size, size, bits, levels, i - a, j - a)
         out[s] = tot
 
 
 @njit(cache=True, nogil=True)
-def kbit_add_runs(bodies, coffs, ns, p0, lo, scale, block, bits, sums, w, chunk, codes):
-    """Add replies r (payload bodies at bodies[r], parameters lo[r], scale[r]) into the float64
-    sums (segment s's at sums[s]) with weights w[r]: per segment, per ``chunk`` elements of its
-    sum, every reply in order (the per-segment path's additions, in its order: the same bits)."""
+def block_add_runs(kind, bodies, coffs, ns, p0, params, block, bits, sums, w, chunk, codes):
+    """Add replies r (payload bodies at bodies[r], parameter rows params[r]) of kbit, qsgd or sign
+    into the float64 sums (segment s's at sums[s]) with weights w[r]: per segment, per ``chunk``
+    elements of its sum, every reply in order (the per-segment path's additions, in its order:
+    the same bits)."""
     no = np.empty(0, dtype=np.float32)
     for s in range(ns.shape[0]):
         n = ns[s]
@@ -1136,41 +1144,7 @@ def kbit_add_runs(bodies, coffs, ns, p0, lo, scale, block, bits, sums, w, chunk,
             for r in range(bodies.shape[0]):
                 body = carray(_u8_at(bodies[r]), (end,))
                 c = _codes(body, coffs[s] + a * bits // 8, j - a, bits, codes)
-                kbit(c, lo[r, b:], scale[r, b:], size, i - a, j - a, no, sm[i:j], w[r], True)
-
-
-@njit(cache=True, nogil=True)
-def qsgd_sq_run(body, coffs, ns, p0, unit, bucket, bits, chunk, codes, out):
-    """:func:`kbit_sq_run` for QSGD codes (``unit``: norm / levels per bucket, fp32)."""
-    for s in range(ns.shape[0]):
-        n = ns[s]
-        size, u = _geometry(n, bucket, bits)
-        tot = 0.0
-        for i in range(0, n, chunk):
-            j = min(n, i + chunk)
-            a = i - i % u
-            c = _codes(body, coffs[s] + a * bits // 8, j - a, bits, codes)
-            tot += qsgd_sq(c, unit[p0[s] + a // size:], bits - 1, size, i - a, j - a)
-        out[s] = tot
-
-
-@njit(cache=True, nogil=True)
-def qsgd_add_runs(bodies, coffs, ns, p0, unit, bucket, bits, sums, w, chunk, codes):
-    """:func:`kbit_add_runs` for QSGD codes (``unit[r]``: reply r's norm / levels per bucket)."""
-    no = np.empty(0, dtype=np.float32)
-    for s in range(ns.shape[0]):
-        n = ns[s]
-        size, u = _geometry(n, bucket, bits)
-        end = coffs[s] + (n * bits + 7) // 8
-        sm = carray(_f64_at(sums[s]), (n,))
-        for i in range(0, n, chunk):
-            j = min(n, i + chunk)
-            a = i - i % u
-            b = p0[s] + a // size
-            for r in range(bodies.shape[0]):
-                body = carray(_u8_at(bodies[r]), (end,))
-                c = _codes(body, coffs[s] + a * bits // 8, j - a, bits, codes)
-                qsgd(c, unit[r, b:], bits - 1, size, i - a, j - a, no, sm[i:j], w[r], True)
+                _block_add(kind, c, params[r], b, size, bits, i - a, j - a, sm[i:j], w[r], no)
 
 
 @njit(cache=True, nogil=True)
@@ -1192,25 +1166,6 @@ def sign_sq_run(ns, p0, scale, block, chunk, out):
 
 
 @njit(cache=True, nogil=True)
-def sign_add_runs(bodies, coffs, ns, p0, scale, block, sums, w, chunk, flags):
-    """:func:`kbit_add_runs` for sign bits (``scale[r]``: reply r's scale per block)."""
-    no = np.empty(0, dtype=np.float32)
-    for s in range(ns.shape[0]):
-        n = ns[s]
-        size, u = _geometry(n, block, 1)
-        end = coffs[s] + (n + 7) // 8
-        sm = carray(_f64_at(sums[s]), (n,))
-        for i in range(0, n, chunk):
-            j = min(n, i + chunk)
-            a = i - i % u
-            b = p0[s] + a // size
-            for r in range(bodies.shape[0]):
-                body = carray(_u8_at(bodies[r]), (end,))
-                unpack(body[coffs[s] + a // 8:], j - a, 1, flags)
-                sign(flags, scale[r, b:], size, i - a, j - a, no, sm[i:j], w[r], True)
-
-
-@njit(cache=True, nogil=True)
 def raw_sq_run(body, coffs, ns, kind, chunk, out):
     """Per segment, the sum of squares of raw values (kind 0: fp32, 1: fp16, 2: bf16), ``chunk``
     at a time (:func:`sumsq`, :func:`half_sq`)."""
@@ -1228,7 +1183,7 @@ def raw_sq_run(body, coffs, ns, kind, chunk, out):
 
 @njit(cache=True, nogil=True)
 def raw_add_runs(bodies, coffs, ns, kind, sums, w, chunk):
-    """:func:`kbit_add_runs` for raw values (kind 0: fp32, 1: fp16, 2: bf16)."""
+    """:func:`block_add_runs` for raw values (kind 0: fp32, 1: fp16, 2: bf16)."""
     width = 4 if kind == 0 else 2
     for s in range(ns.shape[0]):
         n = ns[s]
@@ -1292,7 +1247,7 @@ def ternary_sq_run(body, coffs, ns, table, chunk, out):
 
 @njit(cache=True, nogil=True)
 def ternary_add_runs(bodies, coffs, ns, table, sums, w, chunk, codes):
-    """:func:`kbit_add_runs` for 2-bit codes valued table[r, s, code] (twobit, terngrad)."""
+    """:func:`block_add_runs` for 2-bit codes valued table[r, s, code] (twobit, terngrad)."""
     no = np.empty(0, dtype=np.float32)
     for s in range(ns.shape[0]):
         n = ns[s]

@@ -461,11 +461,12 @@ class RunReply:
     the per-segment path (:class:`Values`) costs ~80 us of Python per segment and reply.
 
     The codes stay in the payload (``body``, numpy: a view); each segment's parameters are copied
-    out, aligned: ``params`` (a tuple of float32 arrays, per block), segment s's from block
-    ``p0[s]``; its codes at ``body[coffs[s]:]``. ``read``: (codec, payload, layout, device) to
+    out, aligned: ``params`` (a 2-D float32 array: a row per kind of parameter, a column per
+    block, segment s's from block ``p0[s]``; twobit / terngrad: a row of code values per segment);
+    its codes at ``body[coffs[s]:]``. ``read``: (codec, payload, layout, device) to
     read it the per-segment way where a caller needs that (:meth:`fedcomp.aggregate.Update.pieces`)."""
 
-    def __init__(self, quantizer, body: np.ndarray, ns: np.ndarray, coffs: np.ndarray, params: tuple, p0: np.ndarray,
+    def __init__(self, quantizer, body: np.ndarray, ns: np.ndarray, coffs: np.ndarray, params: np.ndarray, p0: np.ndarray,
                  read: tuple) -> None:
         self.quantizer, self.body, self.ns, self.coffs, self.params, self.p0 = quantizer, body, ns, coffs, params, p0
         self.read = read
@@ -487,13 +488,48 @@ def _block_params(body: np.ndarray, offs: np.ndarray, nb: np.ndarray, per: int) 
     return params, p0
 
 
+class _BlockRuns:
+    """Reading runs of blockwise codes (kbit, qsgd, sign): per segment ``_run_per`` fp32 parameters
+    per block of ``_run_block`` elements, then codes of ``_run_bits`` bits; ``_run_kind`` names
+    the per-block values in the kernels (``_numba_kernels.BLOCK_KBIT``, ...)."""
+
+    def read_run(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray, read: tuple) -> RunReply:
+        block, per = self._run_block, self._run_per
+        nb = np.fromiter((blocks(n, block) for n in ns.tolist()), dtype=np.int64, count=ns.shape[0])
+        params, p0 = _block_params(body, offs, nb, per)
+        rows = self._run_rows(np.ascontiguousarray(params.reshape(-1, per).T))
+        return RunReply(self, body, ns, offs + 4 * per * nb, rows, p0, read)
+
+    def _run_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The parameter rows as the kernels take them (as read, by default)."""
+        return rows
+
+    def _run_scratch(self, chunk: int) -> np.ndarray:
+        return kernels.scratch(chunk + 8 * max(self._run_block, 1), np.uint8)
+
+    def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
+        out = np.empty(run.ns.shape[0], dtype=np.float64)
+        bits = self._run_bits
+        k.block_sq_run(getattr(k, self._run_kind), run.body, run.coffs, run.ns, run.p0, run.params, self._run_block,
+                       bits, (1 << bits) - 1, chunk, self._run_scratch(chunk), out)
+        return out
+
+    def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
+        """Add replies ``runs`` (weights ``w``) into the float64 sums at addresses ``sums``."""
+        first = runs[0]
+        k.block_add_runs(getattr(k, self._run_kind), np.array([r.address for r in runs], dtype=np.int64), first.coffs,
+                         first.ns, first.p0, np.stack([r.params for r in runs]), self._run_block, self._run_bits, sums,
+                         w, chunk, self._run_scratch(chunk))
+
+
 class _RawRuns:
     """Reading runs of raw values (none(): fp32, fp16, bf16); ``_raw_kind`` 0, 1 or 2."""
 
     _raw_kind = 0
 
     def read_run(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray, read: tuple) -> RunReply:
-        return RunReply(self, body, ns, offs, (), np.zeros(ns.shape[0] + 1, dtype=np.int64), read)
+        return RunReply(self, body, ns, offs, np.empty((0, 0), dtype=np.float32), np.zeros(ns.shape[0] + 1, dtype=np.int64),
+                        read)
 
     def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
         out = np.empty(run.ns.shape[0], dtype=np.float64)
@@ -515,16 +551,16 @@ class _TernaryRuns:
         bad, message = self._bad
         if kernels.get().ternary_bad_run(body, coffs, ns, bad) >= 0:
             raise DecodeError(message)
-        return RunReply(self, body, ns, coffs, (table,), np.zeros(ns.shape[0] + 1, dtype=np.int64), read)
+        return RunReply(self, body, ns, coffs, table, np.zeros(ns.shape[0] + 1, dtype=np.int64), read)
 
     def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
         out = np.empty(run.ns.shape[0], dtype=np.float64)
-        k.ternary_sq_run(run.body, run.coffs, run.ns, run.params[0], chunk, out)
+        k.ternary_sq_run(run.body, run.coffs, run.ns, run.params, chunk, out)
         return out
 
     def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
         k.ternary_add_runs(np.array([r.address for r in runs], dtype=np.int64), runs[0].coffs, runs[0].ns,
-                           np.stack([r.params[0] for r in runs]), sums, w, chunk, kernels.scratch(chunk + 4, np.uint8))
+                           np.stack([r.params for r in runs]), sums, w, chunk, kernels.scratch(chunk + 4, np.uint8))
 
 
 def _run_keys(keys: list) -> tuple[np.ndarray, np.ndarray]:
@@ -763,7 +799,7 @@ def _sign_scales(amax, ks, s, m: int, size: int, sub: int, rms: bool) -> np.ndar
 
 
 @register
-class Sign(Quantizer):
+class Sign(_BlockRuns, Quantizer):
     """1-bit sign with one scale per block.
 
     ``scale="mean"``: the block's mean |x| (EF-signSGD's ||x||_1 / d), the least-squares scale:
@@ -850,22 +886,17 @@ class Sign(Quantizer):
         out.tensor(codes)
         return scale_out
 
-    def read_run(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray, read: tuple) -> RunReply:
-        """Every segment's scales and sign bits (:class:`RunReply`)."""
-        nb = np.fromiter((blocks(n, self.config.block) for n in ns.tolist()), dtype=np.int64, count=ns.shape[0])
-        scale, p0 = _block_params(body, offs, nb, 1)
-        return RunReply(self, body, ns, offs + 4 * nb, (scale,), p0, read)
+    _run_kind, _run_per, _run_bits = "BLOCK_SIGN", 1, 1  # runs (_BlockRuns): a scale per block, sign bits
+
+    @property
+    def _run_block(self) -> int:
+        return self.config.block
 
     def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
+        """Every value is +-scale: elements per block x scale**2, from the scales alone."""
         out = np.empty(run.ns.shape[0], dtype=np.float64)
         k.sign_sq_run(run.ns, run.p0, run.params[0], self.config.block, chunk, out)
         return out
-
-    def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
-        first, block = runs[0], self.config.block
-        k.sign_add_runs(np.array([r.address for r in runs], dtype=np.int64), first.coffs, first.ns, first.p0,
-                        np.stack([r.params[0] for r in runs]), block, sums, w, chunk,
-                        kernels.scratch(chunk + 8 * max(block, 1), np.uint8))
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
         """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.sign_run`); the scales
@@ -1036,7 +1067,7 @@ class TwoBit(_TernaryRuns, Quantizer):
 
 
 @register
-class KBit(_EntropyCoded, Quantizer):
+class KBit(_BlockRuns, _EntropyCoded, Quantizer):
     """Linear k-bit quantization per block: q = round((x - min) / scale), scale = (max - min) / (2^b - 1).
 
     |error| <= scale / 2 with nearest rounding; < scale and unbiased with stochastic rounding.
@@ -1121,34 +1152,23 @@ class KBit(_EntropyCoded, Quantizer):
         return self.config.coding == "packed"
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
-        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.kbit_run`)."""
+        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.block_run`)."""
         stochastic = self.config.stochastic
         k0s, k1s = _run_keys([self._key(x, gen(i)) for i, x in enumerate(xs)] if stochastic else [None] * len(xs))
         step = max(_chunk_step(int(n), self.config.block) for n in ns.tolist())
         params = np.empty((blocks(step, self.config.block), 2), dtype=np.float32)
-        k.kbit_run(ptrs, ns, self.config.block, (1 << self.config.bits) - 1, self.config.bits, stochastic, k0s, k1s,
-                   offs, region, _ENCODE_CHUNK, params, kernels.scratch(step, np.uint8), ok)
+        k.block_run(k.BLOCK_KBIT, ptrs, ns, self.config.block, (1 << self.config.bits) - 1, self.config.bits, stochastic,
+                    k0s, k1s, offs, region, _ENCODE_CHUNK, params, kernels.scratch(step, np.uint8), ok)
 
-    def read_run(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray, read: tuple) -> RunReply:
-        """Every segment's [lo, scale] per block and codes (:class:`RunReply`)."""
-        block = self.config.block
-        nb = np.fromiter((blocks(n, block) for n in ns.tolist()), dtype=np.int64, count=ns.shape[0])
-        params, p0 = _block_params(body, offs, nb, 2)
-        return RunReply(self, body, ns, offs + 8 * nb, (params[0::2].copy(), params[1::2].copy()), p0, read)
+    _run_kind, _run_per = "BLOCK_KBIT", 2  # runs (_BlockRuns): rows lo, scale per block
 
-    def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
-        out = np.empty(run.ns.shape[0], dtype=np.float64)
-        block, bits = self.config.block, self.config.bits
-        k.kbit_sq_run(run.body, run.coffs, run.ns, run.p0, run.params[0], run.params[1], block, bits, (1 << bits) - 1,
-                      chunk, kernels.scratch(chunk + 8 * max(block, 1), np.uint8), out)
-        return out
+    @property
+    def _run_block(self) -> int:
+        return self.config.block
 
-    def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
-        """Add replies ``runs`` (weights ``w``) into the float64 sums at addresses ``sums``."""
-        first, block = runs[0], self.config.block
-        k.kbit_add_runs(np.array([r.address for r in runs], dtype=np.int64), first.coffs, first.ns, first.p0,
-                        np.stack([r.params[0] for r in runs]), np.stack([r.params[1] for r in runs]), block,
-                        self.config.bits, sums, w, chunk, kernels.scratch(chunk + 8 * max(block, 1), np.uint8))
+    @property
+    def _run_bits(self) -> int:
+        return self.config.bits
 
     def _encode_one(self, x: torch.Tensor, out: Writer, key: tuple[int, int] | None, start: int) -> torch.Tensor:
         m, block, levels = x.numel(), self.config.block, (1 << self.config.bits) - 1
@@ -1206,7 +1226,7 @@ class KBit(_EntropyCoded, Quantizer):
 
 
 @register
-class QSGD(_EntropyCoded, Quantizer):
+class QSGD(_BlockRuns, _EntropyCoded, Quantizer):
     """QSGD (Alistarh et al. 2017): per bucket, ||v|| * sign(v_j) * xi_j with xi_j stochastic over s levels.
 
     ``bits`` counts the sign: s = 2^(bits-1) - 1 levels above zero. Unbiased; elementwise
@@ -1298,33 +1318,28 @@ class QSGD(_EntropyCoded, Quantizer):
     def runs(self) -> bool:
         return self.config.coding == "packed" and self.config.norm == "max"  # l2 norms are torch's
 
-    def read_run(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray, read: tuple) -> RunReply:
-        """Every segment's norm / levels per bucket (fp32, as :meth:`read_values`) and codes."""
-        nb = np.fromiter((blocks(n, self.config.bucket) for n in ns.tolist()), dtype=np.int64, count=ns.shape[0])
-        norms, p0 = _block_params(body, offs, nb, 1)
+    _run_kind, _run_per = "BLOCK_QSGD", 1  # runs (_BlockRuns): a row of norm / levels per bucket
+
+    @property
+    def _run_block(self) -> int:
+        return self.config.bucket
+
+    @property
+    def _run_bits(self) -> int:
+        return self.config.bits
+
+    def _run_rows(self, rows: np.ndarray) -> np.ndarray:
+        """norm / levels per bucket (fp32, as :meth:`read_values` divides)."""
         with np.errstate(all="ignore"):  # a NaN or inf norm (fuzzed payloads) is refused by the check
-            unit = norms / np.float32(self.levels)
-        return RunReply(self, body, ns, offs + 4 * nb, (unit,), p0, read)
-
-    def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
-        out = np.empty(run.ns.shape[0], dtype=np.float64)
-        bucket, bits = self.config.bucket, self.config.bits
-        k.qsgd_sq_run(run.body, run.coffs, run.ns, run.p0, run.params[0], bucket, bits, chunk,
-                      kernels.scratch(chunk + 8 * max(bucket, 1), np.uint8), out)
-        return out
-
-    def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
-        first, bucket = runs[0], self.config.bucket
-        k.qsgd_add_runs(np.array([r.address for r in runs], dtype=np.int64), first.coffs, first.ns, first.p0,
-                        np.stack([r.params[0] for r in runs]), bucket, self.config.bits, sums, w, chunk,
-                        kernels.scratch(chunk + 8 * max(bucket, 1), np.uint8))
+            return rows / np.float32(self.levels)
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
-        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.qsgd_run`)."""
+        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.block_run`)."""
         k0s, k1s = _run_keys([uniforms.draw_key(gen(i), x.device) for i, x in enumerate(xs)])
         step = max(_chunk_step(int(n), self.config.bucket) for n in ns.tolist())
-        k.qsgd_run(ptrs, ns, self.config.bucket, self.levels, self.config.bits, k0s, k1s, offs, region, _ENCODE_CHUNK,
-                   np.empty(blocks(step, self.config.bucket), dtype=np.float32), kernels.scratch(step, np.uint8), ok)
+        k.block_run(k.BLOCK_QSGD, ptrs, ns, self.config.bucket, self.levels, self.config.bits, True, k0s, k1s, offs,
+                    region, _ENCODE_CHUNK, np.empty((blocks(step, self.config.bucket), 1), dtype=np.float32),
+                    kernels.scratch(step, np.uint8), ok)
 
     def _ratio_(self, mag: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         """In place: mag (|x| as rows of buckets) times r = fp32(levels / norm) per bucket (norm 0:
