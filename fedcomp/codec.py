@@ -179,8 +179,12 @@ class Codec:
         """Exact encoded size. ``kept``/``index_bytes`` are needed only where they depend on the
         data (threshold selection, Rice-coded indices): pass ``Encoded.kept``/``Encoded.index_bytes``.
         """
+        return self._size(layout, self.segments(layout), kept, index_bytes)
+
+    def _size(self, layout: Layout, segments, kept, index_bytes) -> int:
+        """:meth:`size_bytes` for ``segments`` (``self.segments(layout)``, computed by the caller)."""
         total = OVERHEAD_BYTES + sum(t.numel * t.torch_dtype.itemsize for t in layout.tensors if not t.is_float)
-        for j, (seg, _) in enumerate(self.segments(layout)):
+        for j, (seg, _) in enumerate(segments):
             if self.reducer is None:
                 total += self.quantizer.nbytes(seg.numel)
                 continue
@@ -209,7 +213,8 @@ class Codec:
         values = list(tensors.values())
         device = values[0].device if values else torch.device("cpu")
         ctx = StageContext(nonce & _MASK64, round, state)
-        out = Writer(device, self._dense_size(layout))
+        segments = self.segments(layout)
+        out = Writer(device, self._dense_size(layout, segments))
         sparse = self._sparse_expand
         kept_values: dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None = {} if sparse else None
         kept, side_bytes = [], []
@@ -217,7 +222,7 @@ class Codec:
         # segments wait to go to the quantizer's compiled loop together (write_run), in order
         run: list[tuple[int, torch.Tensor]] | None = \
             [] if self.reducer is None and device.type == "cpu" and runs(self.quantizer, kernels.for_encode()) else None
-        for seg, group in self.segments(layout):
+        for seg, group in segments:
             parts = [values[i].detach().reshape(-1) for i in group]  # views where contiguous
             parts = [p if p.dtype == torch.float32 else p.float() for p in parts]
             if len(parts) == 1:
@@ -266,13 +271,13 @@ class Codec:
             write_run(self.quantizer, [x for _, x in run], out, lambda i: ctx.generator(run[i][0], device))
             run.clear()
 
-    def _dense_size(self, layout: Layout) -> int | None:
+    def _dense_size(self, layout: Layout, segments) -> int | None:
         """The payload's size where it does not depend on the data (no reducer, fixed-width
         codes), else None: the writer then builds the payload in place (:meth:`Writer.empty`)."""
         if self.reducer is not None:
             return None
         try:
-            return self.size_bytes(layout)
+            return self._size(layout, segments, None, None)
         except ValueError:  # entropy-coded values
             return None
 
