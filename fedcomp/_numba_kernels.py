@@ -83,6 +83,7 @@ def _pointer(to, to_ir, doc):
 _f32_at = _pointer(types.float32, ir.FloatType(), "A pointer to fp32 values at an address.")
 _f64_at = _pointer(types.float64, ir.DoubleType(), "A pointer to float64 values at an address.")
 _u8_at = _pointer(types.uint8, ir.IntType(8), "A pointer to bytes at an address.")
+_i64_at = _pointer(types.int64, ir.IntType(64), "A pointer to int64 values at an address.")
 
 
 @njit(inline="always")
@@ -645,6 +646,68 @@ def smallest_hashes(k0, k1, n, k, out, sigmas):
     keys = np.sort(band[:nb])[:k - o]
     _merge(out, o, np.sort(keys & ((1 << 31) - 1)), k)
     return True
+
+
+@njit(cache=True, nogil=True)
+def stratum_positions(k0, k1, n, k, out):
+    """out[j] = random-k's position in stratum j of k (:func:`fedcomp.uniforms.strata`): the
+    stratum's start plus (h_j * its size) >> 32, strata of n // k elements, the first n % k one
+    longer."""
+    s = np.uint64(n // k)
+    r = np.uint64(n % k)
+    base = _base(k0, 0)
+    for j in range(k):  # vectorized: 32 x 32 -> 64-bit products (all operands below 2**32)
+        u = np.uint64(j)
+        size = s + np.uint64(u < r)
+        h = np.uint64(_h32(base, k1, j))
+        out[j] = np.int64(u * s + min(u, r) + ((h * size) >> np.uint64(32)))
+
+
+@njit(cache=True, nogil=True)
+def add_at(target, pos, offset, values, w):
+    """target[pos[j] - offset] += w * float64(values[j]), in order (the bits of ``index_add_``
+    with ``alpha=w``)."""
+    for j in range(pos.shape[0]):
+        target[pos[j] - offset] += w * np.float64(values[j])
+
+
+@njit(cache=True, nogil=True)
+def add_at_runs(sums, starts, numels, pos_at, val_at, cuts, weights, chunk):
+    """:func:`add_at` for a batch of sparse replies: reply r's ascending flat positions (int64 at
+    address pos_at[r]) and fp32 values (at val_at[r]), those of tensor t being cuts[r, t] to
+    cuts[r, t + 1]; tensor t's float64 sum at address sums[t] (numels[t] elements, flat offset
+    starts[t]). Per tensor, per ``chunk`` elements of its sum, every reply in order: the chunk
+    stays in the cache, and each element gets its additions in reply order (the bits of add_at
+    reply after reply)."""
+    nr = weights.shape[0]
+    cur = np.empty(nr, dtype=np.int64)
+    for t in range(numels.shape[0]):
+        n = numels[t]
+        off = starts[t]
+        sm = carray(_f64_at(sums[t]), (n,))
+        for r in range(nr):
+            cur[r] = cuts[r, t]
+        for c in range(0, n, chunk):
+            hi = off + min(n, c + chunk)
+            for r in range(nr):
+                end = cuts[r, t + 1]
+                pos = carray(_i64_at(pos_at[r]), (end,))
+                val = carray(_f32_at(val_at[r]), (end,))
+                w = weights[r]
+                j = cur[r]
+                while j < end and pos[j] < hi:
+                    sm[pos[j] - off] += w * np.float64(val[j])
+                    j += 1
+                cur[r] = j
+
+
+@njit(cache=True, nogil=True)
+def ascending(a):
+    """Whether a[j] >= a[j - 1] for every j (one vectorized pass)."""
+    ok = True
+    for j in range(1, a.shape[0]):
+        ok &= a[j] >= a[j - 1]
+    return ok
 
 
 @njit(cache=True, nogil=True)

@@ -117,7 +117,20 @@ def _chunks(t: torch.Tensor):
 
 
 def _finite(t: torch.Tensor) -> bool:
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and kernels.get() is not None:
+        return math.isfinite(_sq_norm(t))  # one fused pass: a sum of squares is finite iff every value is
     return all(bool(torch.isfinite(c).all()) for c in _chunks(t))
+
+
+def _ascending(pos: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, values) ordered by position (as they are, where they already are)."""
+    if pos.numel() < 2:
+        return pos, vals
+    k = kernels.get() if pos.device.type == "cpu" and pos.dtype == torch.int64 and pos.is_contiguous() else None
+    if bool(k.ascending(pos.numpy())) if k is not None else bool((pos[1:] >= pos[:-1]).all()):
+        return pos, vals
+    order = torch.argsort(pos, stable=True)
+    return pos[order], vals[order]
 
 
 def _chunk_sq(c: torch.Tensor) -> float:
@@ -314,6 +327,7 @@ class Update:
     nbytes: int = 0  # the payload it was read from (kept alive while the update waits in a batch)
     run: object | None = None  # every dense segment at once (quantizers.RunReply), for compiled checks and adds
     names: list[str] = field(default_factory=list)  # the run's segments' tensors, in order
+    held: tuple[torch.Tensor, torch.Tensor] | None = None  # waiting sparse reply: (ascending flat positions, fp32 values)
 
     def _read_lazy(self) -> None:
         """A run read the per-segment way (:attr:`lazy`), for callers that take pieces."""
@@ -546,9 +560,10 @@ class Accumulator:
             self._ints[name].add_(t.to(self.device, torch.float64).view(self._ints[name].shape), alpha=w)
         self.total_weight += w
         self.count += 1
-        if self._batchable(update):
+        update.held = self._held(update) if update.parts else None
+        if update.held is not None or self._batchable(update):
             self._pending.append((update, w))
-            self._pending_bytes += update.nbytes
+            self._pending_bytes += update.nbytes if update.held is None else sum(t.nbytes for t in update.held)
             if len(self._pending) >= self.batch or self._pending_bytes >= 8 * self._numel:
                 self.flush()
             return
@@ -570,23 +585,58 @@ class Accumulator:
             return False
         return update.run is not None if not update.lazy else self.batch > 1
 
+    def _held(self, update: Update) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A sparse reply as it waits in a batch (ascending flat positions, fp32 values), or None
+        where it is added at once (not CPU, no compiled loops, batch 1, other dtypes)."""
+        if self.device.type != "cpu" or self.batch <= 1 or update.lazy or update.run is not None \
+                or kernels.get() is None:
+            return None
+        pos, vals = [], []
+        for start, idx, v in update.parts:
+            if idx is None or idx.dtype != torch.int64 or v.dtype != torch.float32 \
+                    or idx.device.type != "cpu" or v.device.type != "cpu":
+                return None
+            pos.append(idx + start if start else idx)
+            vals.append(v.detach().reshape(-1))
+        pos, vals = (pos[0], vals[0]) if len(pos) == 1 else (torch.cat(pos), torch.cat(vals))
+        return _ascending(pos.contiguous(), vals.contiguous())
+
     def flush(self) -> None:
         """Add the waiting replies (see ``batch``): per tensor, per chunk of its sum, every reply
         in arrival order, each through its fused loop where it has one."""
         pending, self._pending, self._pending_bytes = self._pending, [], 0
+
+        def kind(u: Update):
+            if u.held is not None:
+                return "sparse"
+            if u.run is not None and not u.lazy:
+                return "run", type(u.run.quantizer), u.run.quantizer.config
+            return "lazy"
         i = 0
         while i < len(pending):  # groups in arrival order: runs of one codec together, the rest alike
-            j = i + 1
-            run = pending[i][0].run is not None and not pending[i][0].lazy
-            while j < len(pending) and (pending[j][0].run is not None and not pending[j][0].lazy) == run and (
-                    not run or type(pending[j][0].run.quantizer) is type(pending[i][0].run.quantizer)
-                    and pending[j][0].run.quantizer.config == pending[i][0].run.quantizer.config):
+            j, first = i + 1, kind(pending[i][0])
+            while j < len(pending) and kind(pending[j][0]) == first:
                 j += 1
-            if run:
-                self._add_runs(pending[i:j])
-            else:
+            if first == "sparse":
+                self._add_sparse(pending[i:j])
+            elif first == "lazy":
                 self._flush_lazy(pending[i:j])
+            else:
+                self._add_runs(pending[i:j])
             i = j
+
+    def _add_sparse(self, pending: list[tuple[Update, float]]) -> None:
+        """Sparse replies (:attr:`Update.held`) into the sums in one compiled call, chunk by chunk
+        of the sums (at a tenth kept, every cache line of the sum is touched by every reply)."""
+        starts = self._starts.numpy()
+        cuts = np.stack([np.searchsorted(u.held[0].numpy(), starts) for u, _ in pending])
+        kernels.get().add_at_runs(
+            np.fromiter((self._sums[name].data_ptr() for name in self._names), dtype=np.int64, count=len(self._names)),
+            starts[:-1], np.diff(starts), np.array([u.held[0].data_ptr() for u, _ in pending], dtype=np.int64),
+            np.array([u.held[1].data_ptr() for u, _ in pending], dtype=np.int64), cuts,
+            np.array([w for _, w in pending], dtype=np.float64), SUM_CHUNK)
+        for u, _ in pending:
+            u.held = None
 
     def _add_runs(self, pending: list[tuple[Update, float]]) -> None:
         """Replies read at once (:attr:`Update.run`) into the sums in one compiled call."""
@@ -631,10 +681,16 @@ class Accumulator:
 
     def _scatter(self, pos: torch.Tensor, vals: torch.Tensor, w: float) -> None:
         """Scatter-add values at flat positions (over all float tensors) into the per-tensor sums."""
-        if pos.numel() > 1 and not bool((pos[1:] >= pos[:-1]).all()):
-            order = torch.argsort(pos)
-            pos, vals = pos[order], vals[order]
+        pos, vals = _ascending(pos, vals)
         cuts = torch.searchsorted(pos, self._starts.to(pos.device)).tolist()
+        k = kernels.get() if self.device.type == "cpu" and pos.device.type == "cpu" else None
+        if k is not None and pos.dtype == torch.int64 and vals.dtype in (torch.float32, torch.float64) \
+                and vals.device.type == "cpu":
+            pos_np, vals_np = pos.contiguous().numpy(), vals.detach().contiguous().numpy()  # one loop: the bits of index_add_
+            for (name, (start, _)), a, b in zip(self._offsets.items(), cuts[:-1], cuts[1:]):
+                if b > a:
+                    k.add_at(self._sums[name].numpy(), pos_np[a:b], start, vals_np[a:b], float(w))
+            return
         for (name, (start, _)), a, b in zip(self._offsets.items(), cuts[:-1], cuts[1:]):
             if b > a:
                 self._sums[name].index_add_(0, pos[a:b] - start, vals[a:b].to(self.device, torch.float64), alpha=w)

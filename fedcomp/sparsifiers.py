@@ -403,8 +403,9 @@ class Threshold(_CodedIndices):
 class RandomK(Selector):
     """Keep k = ceil(ratio * n) positions drawn from a seeded generator; no positions travel.
 
-    With ``rescale`` (the default) the kept values are multiplied by n / k, which makes the codec
-    unbiased, and error feedback is off for it (``feedback``): its residual x - (n/k) x_kept would
+    Positions: one uniformly in each of k equal strata of the segment (:func:`uniforms.strata`).
+    With ``rescale`` (the default) a kept value is multiplied by its stratum's size (n / k where
+    k divides n; each element is kept with one over it), which makes the codec unbiased, and error feedback is off for it (``feedback``): its residual x - (n/k) x_kept would
     hold (n/k - 1) ||x||^2 in expectation and grow every round. Unscaled is the choice with error
     feedback, and what a byte budget moves (``budget_args``: the variance of a rescaled draw grows
     as the budget shrinks the ratio). The default keeps a tenth, rescaled: mnist cnn-bn, 30 rounds,
@@ -415,7 +416,7 @@ class RandomK(Selector):
     """
 
     name = "randomk"
-    wire_version = 2  # the positions' draw (see _draw); format-1 payloads decode with the old one
+    wire_version = 3  # the positions' draw (see _draw); format-1 and -2 payloads decode with theirs
     budget_args = {"rescale": False}  # budgeted: unscaled, with error feedback (see above)
     cross_device = {"ratio": 0.25}  # rescaled (the default): fewer clients average out the n/k variance
 
@@ -423,7 +424,7 @@ class RandomK(Selector):
     class Config:
         ratio: float = 0.1  # fraction of the segment's elements kept, in (0, 1]
         scope: str = "global"  # "global" or "tensor"
-        rescale: bool = True  # multiply kept values by n / k (unbiased; no error feedback)
+        rescale: bool = True  # multiply kept values by their stratum's size, ~n / k (unbiased; no error feedback)
 
     def validate(self) -> None:
         if not 0 < self.config.ratio <= 1:
@@ -450,16 +451,27 @@ class RandomK(Selector):
         return self._draw(x.numel(), ctx, seg, self.wire_version, load=False).to(x.device)
 
     def _draw(self, n: int, ctx: StageContext, seg: Segment, version: int, load: bool = True) -> torch.Tensor:
-        """The kept positions, ascending (CPU: the same whatever the device). Format 2: the k
-        positions of the smallest hashes of a stream keyed from the segment's generator
-        (:func:`fedcomp.uniforms.smallest`, ~6-10 read passes at 25M elements); format 1 (payloads
-        written before 2026-11-23): ``randperm(n)[:k]``, ~280 read passes, still decoded.
+        """The kept positions, ascending (CPU: the same whatever the device). Format 3: one in
+        each of k equal strata (:func:`fedcomp.uniforms.strata`, a hash per kept element); format
+        2 (payloads of 2026-11-23 05:30-10:30 UTC): the k positions of the smallest hashes of the
+        whole segment (:func:`fedcomp.uniforms.smallest`, ~7 read passes at 25M elements); format
+        1 (before): ``randperm(n)[:k]``, ~280 read passes. Every format still decodes.
         ``load``: whether to load the compiled loops for it (not for a client's encode)."""
         gen = ctx.generator(seg.index, "cpu")
         k = _kept(self.config.ratio, n)
         if version == 1:
             return torch.randperm(n, generator=gen)[:k].sort().values
-        return uniforms.smallest(uniforms.draw_key(gen, torch.device("cpu")), n, k, load=load)
+        key = uniforms.draw_key(gen, torch.device("cpu"))
+        if version == 2:
+            return uniforms.smallest(key, n, k, load=load)
+        return uniforms.strata(key, n, k, load=load)
+
+    def reduce(self, x, seg, out, ctx):
+        idx = self.select(x, ctx, seg)
+        vals = x[idx]
+        if self.config.rescale and idx.numel():  # by the stratum's size: each kept with 1 / size
+            vals = vals * uniforms.stratum_sizes(seg.numel, idx.numel()).to(vals.device)
+        return vals, idx, 0
 
     def write_indices(self, idx: torch.Tensor, n: int, out: Writer) -> int:
         return 0
@@ -470,5 +482,3 @@ class RandomK(Selector):
     def side_nbytes(self, seg: Segment, count: int) -> int | None:
         return 0
 
-    def scale(self, n: int, k: int) -> float:
-        return n / k if self.config.rescale and k else 1.0

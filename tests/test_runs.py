@@ -133,3 +133,43 @@ def test_a_reply_read_at_once_with_the_unused_two_bit_code_is_refused(spec, code
     payload[-4:] = zlib.crc32(payload[:-4]).to_bytes(4, "little")
     with pytest.raises(fedcomp.DecodeError, match="unused code"):
         aggregate.Accumulator(codec, layout).decode(bytes(payload))
+
+
+@pytest.mark.parametrize("spec", ["randomk()", "randomk(ratio=0.3,scope='tensor',rescale=false)",
+                                  "topk(ratio=0.05)+qsgd(bits=4)", "topk(ratio=0.2,scope='tensor')+kbit(bits=3)"])
+def test_sparse_replies_added_in_a_batch_sum_to_the_bits_of_index_add(spec, monkeypatch):
+    """Sparse replies wait in a batch and go into the sums chunk by chunk in one compiled call
+    (:meth:`Accumulator._add_sparse`), interleaved with dense replies of another codec: every
+    sum has the bits of torch's ``index_add_`` one reply after another."""
+    monkeypatch.setattr(aggregate, "SUM_CHUNK", 500)  # chunks end inside tensors
+    codec, dense = fedcomp.build_codec(spec), fedcomp.build_codec("kbit(bits=4)")
+    layout = fedcomp.Layout.of(_fp_model(0))
+    replies = [(codec if i % 3 else dense, i) for i in range(1, 8)]
+    payloads = [(c, c.encode(_fp_model(i), nonce=i, round=1).payload) for c, i in replies]
+
+    def total(batch: int, compiled: bool) -> tuple[dict[str, torch.Tensor], list[int]]:
+        sizes = []
+        with monkeypatch.context() as m:
+            if not compiled:
+                m.setattr(kernels, "get", lambda: None)
+            add = aggregate.Accumulator._add_sparse
+            m.setattr(aggregate.Accumulator, "_add_sparse", lambda self, p: (sizes.append(len(p)), add(self, p)))
+            acc = aggregate.Accumulator(codec, layout, batch=batch)
+            for (c, p), w in zip(payloads, WEIGHTS + (0.7, 2.5)):
+                acc.add_update(acc.decode(p, round=1, codec=c), w)
+            return acc.sum(), sizes
+
+    (batched, sizes), (one, none), (ref, _) = total(4, True), total(1, True), total(4, False)
+    assert max(sizes) > 1 and not none  # replies waited together; batch=1 adds each at once
+    for name in ref:
+        assert torch.equal(batched[name], ref[name]) and torch.equal(one[name], ref[name]), name
+    assert any(bool(ref[name].ne(0).any()) for name in ref)
+
+
+def test_sparse_positions_out_of_order_are_sorted_before_they_wait():
+    """A held reply's positions are ascending (the batched loop walks them in order)."""
+    pos, vals = torch.tensor([5, 1, 9, 1]), torch.tensor([1.0, 2.0, 3.0, 4.0])
+    got_pos, got_vals = aggregate._ascending(pos, vals)
+    assert got_pos.tolist() == [1, 1, 5, 9] and got_vals.tolist() == [2.0, 4.0, 1.0, 3.0]
+    same = torch.arange(4)
+    assert aggregate._ascending(same, vals)[0] is same

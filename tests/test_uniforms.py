@@ -188,19 +188,56 @@ def _h32(key, i):
     return h ^ (h >> 16)
 
 
-def test_randomk_format_1_payloads_still_decode(monkeypatch):
-    """randomk payloads of format 1 (drawn with randperm) decode to the positions they were drawn
-    at; format 2 draws from the hash stream, and both give the update's values there."""
+def test_randomk_older_formats_still_decode(monkeypatch):
+    """randomk payloads of format 1 (randperm) and 2 (smallest hashes) decode to the positions
+    they were drawn at; format 3 draws one per stratum; each gives the update's values there."""
     x = {"w": torch.randn(5000, generator=torch.Generator().manual_seed(0))}
     codec = fedcomp.build_codec("randomk(ratio=0.05,rescale=false)")
     layout = fedcomp.Layout.of(x)
-    new = codec.encode(x, nonce=3)
-    monkeypatch.setattr(RandomK, "wire_version", 1)
-    old = fedcomp.build_codec("randomk(ratio=0.05,rescale=false)").encode(x, nonce=3)
-    monkeypatch.undo()
-    assert old.payload[2] == 1 and new.payload[2] == 2
-    for enc in (old, new):
+    encoded = {3: codec.encode(x, nonce=3)}
+    for version in (1, 2):
+        monkeypatch.setattr(RandomK, "wire_version", version)
+        encoded[version] = fedcomp.build_codec("randomk(ratio=0.05,rescale=false)").encode(x, nonce=3)
+        monkeypatch.undo()
+    kept = {}
+    for version, enc in encoded.items():
+        assert enc.payload[2] == version
         got = codec.decode(enc.payload, layout)["w"]
-        kept = got != 0
-        assert int(kept.sum()) == 250 and torch.equal(got[kept], x["w"][kept])
-    assert not torch.equal(codec.decode(old.payload, layout)["w"], codec.decode(new.payload, layout)["w"])
+        kept[version] = got != 0
+        assert int(kept[version].sum()) == 250 and torch.equal(got[kept[version]], x["w"][kept[version]])
+    assert not torch.equal(kept[1], kept[2]) and not torch.equal(kept[2], kept[3])
+    assert kept[3].view(250, 20).sum(1).eq(1).all()  # format 3: one in each stratum of 20
+
+
+@pytest.mark.parametrize("n,k", [(10, 0), (10, 10), (10, 3), (7, 1), (1000, 7), (300001, 99999), (1 << 20, 1 << 16)])
+def test_strata_same_on_every_path(n, k, monkeypatch):
+    """randomk's format-3 positions: one per stratum (sizes n // k, the first n % k one more),
+    ascending, distinct; the compiled loop, torch ops and plain Python agree."""
+    key = (123456789, 987654321)
+    fast = uniforms.strata(key, n, k)
+    monkeypatch.setattr(kernels, "get", lambda: None)
+    monkeypatch.setattr(kernels, "for_encode", lambda: None)
+    assert torch.equal(fast, uniforms.strata(key, n, k))
+    assert fast.numel() == k and bool((fast[1:] > fast[:-1]).all())
+    sizes = uniforms.stratum_sizes(n, k, torch.int64)
+    assert k == 0 or int(sizes.sum()) == n and int(sizes.max()) - int(sizes.min()) <= 1
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+    assert bool((fast >= bounds[:-1]).all() and (fast < bounds[1:]).all())
+    if k and n <= 1000:  # the definition, in plain Python
+        s, r = divmod(n, k)
+        k1 = (key[0], key[1] ^ uniforms.STRATA)
+        want = [j * s + min(j, r) + (_h32(k1, j) * (s + (j < r)) >> 32) for j in range(k)]
+        assert fast.tolist() == want
+
+
+def test_randomk_rescaled_is_unbiased_per_stratum():
+    """Rescaled random-k multiplies a kept value by its stratum's size: over many draws the mean
+    of the decoded update is the update, also where strata differ in size (n % k != 0)."""
+    x = {"w": torch.linspace(-1, 1, 103)}
+    codec = fedcomp.build_codec("randomk(ratio=0.1)")  # k = 11: 4 strata of 10, 7 of 9
+    layout = fedcomp.Layout.of(x)
+    mean = sum(codec.decode(codec.encode(x, nonce=i).payload, layout)["w"].double() for i in range(4000)) / 4000
+    assert float((mean - x["w"].double()).abs().max()) < 0.2  # ~4 standard errors; unscaled would be 0.9 off
+    one = codec.decode(codec.encode(x, nonce=1).payload, layout)["w"]
+    ratio = (one[one != 0] / x["w"][one != 0]).round().tolist()
+    assert sorted(set(ratio)) == [9.0, 10.0] and ratio[:4] == [10.0] * 4
