@@ -702,6 +702,40 @@ def add_at_runs(sums, starts, numels, pos_at, val_at, cuts, weights, chunk):
 
 
 @njit(cache=True, nogil=True)
+def rice_decode(unary, rem, k, r, n, out):
+    """:func:`fedcomp.bitpack.rice_decode` into out[:k] in one pass over the two bit streams
+    (MSB first; a gap g is g >> r ones and a zero in ``unary``, its low r bits in ``rem``). True
+    where the streams are well formed; False for any fault, which the caller re-reads with torch
+    ops to raise the exact error."""
+    j = 0
+    idx = np.int64(-1)
+    q = np.int64(0)
+    limit = n >> r
+    last = 0  # the byte of the last zero
+    for b in range(unary.shape[0]):
+        byte = unary[b]
+        if byte == 0xFF:
+            q += 8
+            continue
+        for t in range(7, -1, -1):
+            if (byte >> t) & 1:
+                q += 1
+                continue
+            if j == k or q > limit:
+                return False
+            g = np.int64(0)
+            o = j * r
+            for i in range(o, o + r):  # the r-bit remainder, MSB first
+                g = (g << 1) | ((rem[i >> 3] >> (7 - (i & 7))) & 1)
+            idx += (q << r) + g + 1
+            out[j] = idx
+            j += 1
+            q = 0
+            last = b
+    return j == k and (k == 0 or last == unary.shape[0] - 1) and (k == 0 or idx < n)
+
+
+@njit(cache=True, nogil=True)
 def ascending(a):
     """Whether a[j] >= a[j - 1] for every j (one vectorized pass)."""
     ok = True

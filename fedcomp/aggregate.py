@@ -563,7 +563,11 @@ class Accumulator:
         update.held = self._held(update) if update.parts else None
         if update.held is not None or self._batchable(update):
             self._pending.append((update, w))
-            self._pending_bytes += update.nbytes if update.held is None else sum(t.nbytes for t in update.held)
+            # what waits: payloads up to one float64 sum's worth; decoded sparse replies (fresh
+            # memory, unlike payloads) up to half that: at a tenth kept, batches of about 4
+            # measured 2.9 read passes a reply against 3.4 for 7 (25M elements, 2026-11-23)
+            held = 0 if update.held is None else sum(t.nbytes for t in update.held)
+            self._pending_bytes += 2 * held or update.nbytes
             if len(self._pending) >= self.batch or self._pending_bytes >= 8 * self._numel:
                 self.flush()
             return

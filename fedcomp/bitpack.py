@@ -125,7 +125,18 @@ def rice_encode(indices: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def rice_decode(unary: torch.Tensor, rem: torch.Tensor, k: int, r: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`rice_encode`; validates that exactly k indices, all < n, come out."""
+    """Inverse of :func:`rice_encode`; validates that exactly k indices, all < n, come out.
+    CPU streams go through one compiled pass where numba is loaded (the same indices; a
+    malformed stream is re-read here for its error)."""
+    if unary.device.type == "cpu" and rem.device.type == "cpu" and 0 <= r < 63 \
+            and rem.numel() == (packed_bytes(k, r) if r else 0):
+        from fedcomp import kernels
+
+        kern = kernels.get()
+        if kern is not None:
+            out = np.empty(k, dtype=np.int64)
+            if kern.rice_decode(unary.numpy(), rem.numpy() if r else np.zeros(1, np.uint8), k, r, n, out):
+                return torch.from_numpy(out)
     bits = unpack_bits(unary, unary.numel() * 8, 1)
     zeros = torch.nonzero(bits == 0).reshape(-1)
     if zeros.numel() != k:

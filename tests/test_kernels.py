@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fedcomp
-from fedcomp import aggregate, kernels, quantizers
+from fedcomp import DecodeError, aggregate, bitpack, kernels, quantizers
 from fedcomp.aggregate import Accumulator
 
 pytestmark = pytest.mark.skipif(kernels.get() is None, reason="numba not installed")
@@ -227,3 +227,43 @@ def test_half_encoding_in_the_loop_equals_torchs(dtype):
     if dtype == torch.float16:
         t = torch.clamp(t, -quantizers._FP16_MAX, quantizers._FP16_MAX)
     assert np.array_equal(out, t.to(dtype).view(torch.int16).numpy().view(np.uint16))
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (100, 0), (100, 100), (5000, 7), (1 << 20, 999), (1 << 16, 3000)])
+def test_rice_decode_loop_gives_the_torch_indices(n, k, monkeypatch):
+    """Golomb-Rice index streams: the compiled pass and torch ops give the same indices, for
+    every Rice parameter around the chosen one (0 included)."""
+    g = torch.Generator().manual_seed(n + k)
+    idx = torch.randperm(n, generator=g)[:k].sort().values
+    best = bitpack.choose_rice_parameter(idx, n)
+    for r in sorted({0, max(0, best - 2), best, best + 3}):
+        unary, rem = bitpack.rice_encode(idx, r)
+        fast = bitpack.rice_decode(unary, rem, k, r, n)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "get", lambda: None)
+            slow = bitpack.rice_decode(unary, rem, k, r, n)
+        assert torch.equal(fast, slow) and torch.equal(fast, idx), r
+
+
+@pytest.mark.parametrize("defect", ["extra-zero", "missing-zero", "trailing-byte", "index-n", "gap", "short-rem"])
+def test_rice_decode_loop_refuses_what_torch_refuses(defect):
+    """A malformed stream raises the torch path's DecodeError (the loop only says it is bad)."""
+    n, idx = 1000, torch.tensor([3, 40, 41, 900])
+    k, r = idx.numel(), 4
+    unary, rem = bitpack.rice_encode(idx, r)
+    unary, rem = unary.clone(), rem.clone()
+    if defect == "extra-zero":
+        unary[-1] = 0
+    elif defect == "missing-zero":
+        k += 1
+        rem = torch.cat([rem, torch.zeros(bitpack.packed_bytes(k, r) - rem.numel(), dtype=torch.uint8)])
+    elif defect == "trailing-byte":
+        unary = torch.cat([unary, torch.tensor([0xFF], dtype=torch.uint8)])
+    elif defect == "index-n":
+        n = 900
+    elif defect == "gap":
+        n = 40
+    else:
+        rem = rem[:-1]
+    with pytest.raises(DecodeError):
+        bitpack.rice_decode(unary, rem, k, r, n)
