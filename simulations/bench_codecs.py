@@ -9,7 +9,8 @@ process, the median of ``--repeats`` timings of
 * ``decode``: ``Codec.decode(payload, layout)`` (dense tensors out);
 * ``decode+acc``: per reply, :meth:`fedcomp.aggregate.Accumulator.add` of a batch of replies (8,
   the accumulator's default ``batch``: a server adds many per round) and the pass that adds them
-  (:meth:`~fedcomp.aggregate.Accumulator.flush`); ``acc x1`` adds one reply alone (``batch=1``).
+  (:meth:`~fedcomp.aggregate.Accumulator.flush`), after one warm-up batch (a round allocates its
+  sums once); ``acc x1`` adds one reply alone (``batch=1``).
   Sketches are summed the way the ServerApp does (:class:`fedcomp.server_feedback.ServerFeedback`,
   tables added per reply; its once-a-round heavy-hitter step is timed apart, ``step``).
 
@@ -225,6 +226,7 @@ def bench_layout(layout_name: str, tensors: dict[str, torch.Tensor], device: tor
         codec.decode(enc.payload, layout, device)
         add_batch, add_one, step = _adders(codec, layout, device, enc.payload)
         add_one()
+        add_batch()  # warm-up: the sums are allocated once a round, not per reply
         read = _unit(flat, repeats, device)  # the unit beside every codec: the machine's load drifts
         t_enc = _median_time(lambda: codec.encode(tensors, nonce=1, round=1), repeats, device)
         t_dec = _median_time(lambda: codec.decode(enc.payload, layout, device), repeats, device)
