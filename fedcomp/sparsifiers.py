@@ -418,6 +418,7 @@ class RandomK(Selector):
     name = "randomk"
     wire_version = 3  # the positions' draw (see _draw); format-1 and -2 payloads decode with theirs
     budget_args = {"rescale": False}  # budgeted: unscaled, with error feedback (see above)
+    accepts_pieces = True  # a global segment over several tensors is gathered in place (no concatenation)
     cross_device = {"ratio": 0.25}  # rescaled (the default): fewer clients average out the n/k variance
 
     @dataclass(frozen=True)
@@ -468,7 +469,7 @@ class RandomK(Selector):
 
     def reduce(self, x, seg, out, ctx):
         idx = self.select(x, ctx, seg)
-        vals = x[idx]
+        vals = x.gather_sorted(idx) if isinstance(x, Pieces) else torch.index_select(x, 0, idx)
         if self.config.rescale and idx.numel():  # by the stratum's size: each kept with 1 / size
             vals = vals * uniforms.stratum_sizes(seg.numel, idx.numel()).to(vals.device)
         return vals, idx, 0

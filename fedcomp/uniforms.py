@@ -114,10 +114,13 @@ def strata(key: tuple[int, int], n: int, k: int, *, load: bool = True) -> torch.
         k_.stratum_positions(np.uint32(k0), np.uint32(k1), n, k, out)
         return torch.from_numpy(out)
     s, r = divmod(n, k)
-    j = torch.arange(k, dtype=torch.int64)
-    size = stratum_sizes(n, k, torch.int64)
     h = _mix((k0, k1), 0, k, torch.device("cpu")).to(torch.int64).bitwise_and_(M32)
-    return h.mul_(size).bitwise_right_shift_(32).add_(j * s).add_(j.clamp_(max=r))
+    h[:r].mul_(s + 1)  # in place, few temporaries: h * size_j >> 32, plus the start j * s + min(j, r)
+    h[r:].mul_(s)
+    h.bitwise_right_shift_(32).add_(torch.arange(0, k * s, s, dtype=torch.int64))
+    h[:r].add_(torch.arange(r, dtype=torch.int64))
+    h[r:].add_(r)
+    return h
 
 
 def stratum_sizes(n: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
