@@ -728,11 +728,13 @@ def rice_decode(unary, rem, k, r, n, out):
             for i in range(o, o + r):  # the r-bit remainder, MSB first
                 g = (g << 1) | ((rem[i >> 3] >> (7 - (i & 7))) & 1)
             idx += (q << r) + g + 1
+            if idx >= n:  # checked at every index: later sums cannot wrap
+                return False
             out[j] = idx
             j += 1
             q = 0
             last = b
-    return j == k and (k == 0 or last == unary.shape[0] - 1) and (k == 0 or idx < n)
+    return j == k and (k == 0 or last == unary.shape[0] - 1)
 
 
 @njit(cache=True, nogil=True)

@@ -405,8 +405,9 @@ class RandomK(Selector):
 
     Positions: one uniformly in each of k equal strata of the segment (:func:`uniforms.strata`).
     With ``rescale`` (the default) a kept value is multiplied by its stratum's size (n / k where
-    k divides n; each element is kept with one over it), which makes the codec unbiased, and error feedback is off for it (``feedback``): its residual x - (n/k) x_kept would
-    hold (n/k - 1) ||x||^2 in expectation and grow every round. Unscaled is the choice with error
+    k divides n; each element is kept with one over it), which makes the codec unbiased, and
+    error feedback is off for it (``feedback``): its residual x - (n/k) x_kept would hold
+    (n/k - 1) ||x||^2 in expectation and grow every round. Unscaled is the choice with error
     feedback, and what a byte budget moves (``budget_args``: the variance of a rescaled draw grows
     as the budget shrinks the ratio). The default keeps a tenth, rescaled: mnist cnn-bn, 30 rounds,
     within a point of dense with every client every round, where the former default, 1% unscaled
@@ -454,7 +455,7 @@ class RandomK(Selector):
     def _draw(self, n: int, ctx: StageContext, seg: Segment, version: int, load: bool = True) -> torch.Tensor:
         """The kept positions, ascending (CPU: the same whatever the device). Format 3: one in
         each of k equal strata (:func:`fedcomp.uniforms.strata`, a hash per kept element); format
-        2 (payloads of 2026-11-23 05:30-10:30 UTC): the k positions of the smallest hashes of the
+        2 (payloads of 2026-11-23 05:30-11:00 UTC): the k positions of the smallest hashes of the
         whole segment (:func:`fedcomp.uniforms.smallest`, ~7 read passes at 25M elements); format
         1 (before): ``randperm(n)[:k]``, ~280 read passes. Every format still decodes.
         ``load``: whether to load the compiled loops for it (not for a client's encode)."""
