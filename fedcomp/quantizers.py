@@ -493,6 +493,16 @@ class _BlockRuns:
     per block of ``_run_block`` elements, then codes of ``_run_bits`` bits; ``_run_kind`` names
     the per-block values in the kernels (``_numba_kernels.BLOCK_KBIT``, ...)."""
 
+    _run_block_field = "block"  # the config field of elements per block (qsgd's is "bucket")
+
+    @property
+    def _run_block(self) -> int:
+        return getattr(self.config, self._run_block_field)
+
+    @property
+    def _run_bits(self) -> int:
+        return self.config.bits
+
     def read_run(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray, read: tuple) -> RunReply:
         block, per = self._run_block, self._run_per
         nb = np.fromiter((blocks(n, block) for n in ns.tolist()), dtype=np.int64, count=ns.shape[0])
@@ -888,10 +898,6 @@ class Sign(_BlockRuns, Quantizer):
 
     _run_kind, _run_per, _run_bits = "BLOCK_SIGN", 1, 1  # runs (_BlockRuns): a scale per block, sign bits
 
-    @property
-    def _run_block(self) -> int:
-        return self.config.block
-
     def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
         """Every value is +-scale: elements per block x scale**2, from the scales alone."""
         out = np.empty(run.ns.shape[0], dtype=np.float64)
@@ -1162,14 +1168,6 @@ class KBit(_BlockRuns, _EntropyCoded, Quantizer):
 
     _run_kind, _run_per = "BLOCK_KBIT", 2  # runs (_BlockRuns): rows lo, scale per block
 
-    @property
-    def _run_block(self) -> int:
-        return self.config.block
-
-    @property
-    def _run_bits(self) -> int:
-        return self.config.bits
-
     def _encode_one(self, x: torch.Tensor, out: Writer, key: tuple[int, int] | None, start: int) -> torch.Tensor:
         m, block, levels = x.numel(), self.config.block, (1 << self.config.bits) - 1
         if m == 0:
@@ -1318,15 +1316,7 @@ class QSGD(_BlockRuns, _EntropyCoded, Quantizer):
     def runs(self) -> bool:
         return self.config.coding == "packed" and self.config.norm == "max"  # l2 norms are torch's
 
-    _run_kind, _run_per = "BLOCK_QSGD", 1  # runs (_BlockRuns): a row of norm / levels per bucket
-
-    @property
-    def _run_block(self) -> int:
-        return self.config.bucket
-
-    @property
-    def _run_bits(self) -> int:
-        return self.config.bits
+    _run_kind, _run_per, _run_block_field = "BLOCK_QSGD", 1, "bucket"  # runs (_BlockRuns): norm / levels per bucket
 
     def _run_rows(self, rows: np.ndarray) -> np.ndarray:
         """norm / levels per bucket (fp32, as :meth:`read_values` divides)."""
