@@ -634,21 +634,22 @@ class Accumulator:
         of the sums (at a tenth kept, every cache line of the sum is touched by every reply)."""
         starts = self._starts.numpy()
         cuts = np.stack([np.searchsorted(u.held[0].numpy(), starts) for u, _ in pending])
-        kernels.get().add_at_runs(
-            np.fromiter((self._sums[name].data_ptr() for name in self._names), dtype=np.int64, count=len(self._names)),
-            starts[:-1], np.diff(starts), np.array([u.held[0].data_ptr() for u, _ in pending], dtype=np.int64),
-            np.array([u.held[1].data_ptr() for u, _ in pending], dtype=np.int64), cuts,
-            np.array([w for _, w in pending], dtype=np.float64), SUM_CHUNK)
+        pos_at, val_at = (np.array([u.held[i].data_ptr() for u, _ in pending], dtype=np.int64) for i in (0, 1))
+        kernels.get().add_at_runs(self._sum_addresses(), starts[:-1], np.diff(starts), pos_at, val_at, cuts,
+                                  np.array([w for _, w in pending], dtype=np.float64), SUM_CHUNK)
         for u, _ in pending:
             u.held = None
 
+    def _sum_addresses(self) -> np.ndarray:
+        """The data addresses of the per-tensor float64 sums, in layout order (for compiled adds)."""
+        return np.fromiter((self._sums[name].data_ptr() for name in self._names), dtype=np.int64,
+                           count=len(self._names))
+
     def _add_runs(self, pending: list[tuple[Update, float]]) -> None:
         """Replies read at once (:attr:`Update.run`) into the sums in one compiled call."""
-        sums = np.fromiter((self._sums[name].data_ptr() for name in self._names), dtype=np.int64,
-                           count=len(self._names))
         q = pending[0][0].run.quantizer
         q._add_runs(kernels.get(), [u.run for u, _ in pending], np.array([w for _, w in pending], dtype=np.float64),
-                    sums, SUM_CHUNK)
+                    self._sum_addresses(), SUM_CHUNK)
 
     def _flush_lazy(self, pending: list[tuple[Update, float]]) -> None:
         plans = []  # per reply: tensor name -> (adder or None, source, offset in the segment, dtype)
@@ -687,16 +688,16 @@ class Accumulator:
         """Scatter-add values at flat positions (over all float tensors) into the per-tensor sums."""
         pos, vals = _ascending(pos, vals)
         cuts = torch.searchsorted(pos, self._starts.to(pos.device)).tolist()
-        k = kernels.get() if self.device.type == "cpu" and pos.device.type == "cpu" else None
-        if k is not None and pos.dtype == torch.int64 and vals.dtype in (torch.float32, torch.float64) \
-                and vals.device.type == "cpu":
-            pos_np, vals_np = pos.contiguous().numpy(), vals.detach().contiguous().numpy()  # one loop: the bits of index_add_
-            for (name, (start, _)), a, b in zip(self._offsets.items(), cuts[:-1], cuts[1:]):
-                if b > a:
-                    k.add_at(self._sums[name].numpy(), pos_np[a:b], start, vals_np[a:b], float(w))
-            return
+        k = kernels.get() if self.device.type == "cpu" and pos.device.type == "cpu" and vals.device.type == "cpu" \
+            and pos.dtype == torch.int64 and vals.dtype in (torch.float32, torch.float64) else None
+        if k is not None:  # one loop per tensor: the bits of index_add_
+            pos_np, vals_np = pos.contiguous().numpy(), vals.detach().contiguous().numpy()
         for (name, (start, _)), a, b in zip(self._offsets.items(), cuts[:-1], cuts[1:]):
-            if b > a:
+            if b <= a:
+                continue
+            if k is not None:
+                k.add_at(self._sums[name].numpy(), pos_np[a:b], start, vals_np[a:b], float(w))
+            else:
                 self._sums[name].index_add_(0, pos[a:b] - start, vals[a:b].to(self.device, torch.float64), alpha=w)
 
     def add(self, payload: bytes, weight: float, *, round: int = 0) -> None:
