@@ -4,6 +4,7 @@ decoded values, sums for any weight (integer or not), and norms to the last few 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -267,3 +268,61 @@ def test_rice_decode_loop_refuses_what_torch_refuses(defect):
         rem = rem[:-1]
     with pytest.raises(DecodeError):
         bitpack.rice_decode(unary, rem, k, r, n)
+
+
+class _FakeDispatcher:
+    """Records the forced vector width in effect when numba would compile it."""
+
+    def __init__(self, inner=None, fail=False):
+        self.seen, self.inner, self.fail = [], inner, fail
+
+    def compile(self, sig):
+        from fedcomp import _numba_kernels as nk
+        self.seen.append(nk._width[0])
+        if self.inner is not None:
+            self.inner.compile(sig)
+        if self.fail:
+            raise RuntimeError("typing failed")
+        return sig
+
+
+def test_vector_width_is_set_for_the_compile_and_restored():
+    from fedcomp import _numba_kernels as nk
+    inner = nk._vector_width(_FakeDispatcher(), 0)  # nested at another width, then back
+    outer = nk._vector_width(_FakeDispatcher(inner), nk._WIDTH)
+    assert outer.compile("sig") == "sig"
+    assert outer.seen == [nk._WIDTH] and inner.seen == [0]
+    assert nk._width[0] == 0
+    failing = nk._vector_width(_FakeDispatcher(fail=True), nk._WIDTH)
+    with pytest.raises(RuntimeError):
+        failing.compile("sig")
+    assert failing.seen == [nk._WIDTH] and nk._width[0] == 0  # restored on errors too
+
+
+_FRESH_COMPILE = """
+import os, sys, torch, fedcomp
+from fedcomp import kernels
+assert (kernels.for_encode() is not None) == (os.environ["FEDCOMP_KERNELS"] == "1")
+x = {"w": torch.randn(20000, generator=torch.Generator().manual_seed(3))}
+for spec in sys.argv[1:]:
+    sys.stdout.write(fedcomp.build_codec(spec).encode(x, nonce=5, round=2, state={}).payload.hex() + "\\n")
+"""
+
+
+def test_wide_kernels_compile_quietly_to_the_torch_paths_bytes(tmp_path):
+    """A fresh numba cache: the 16-lane encoders compile (LLVM prints nothing: a loop it cannot
+    vectorize at a forced width would print a remark) and write the torch path's bytes."""
+    import subprocess
+    import sys
+
+    specs = ["qsgd(bits=4)", "kbit(bits=4,stochastic=true)", "kbit(bits=8)", "terngrad()"]
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), FEDCOMP_KERNELS="1")
+    got = subprocess.run([sys.executable, "-c", _FRESH_COMPILE, *specs], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert got.returncode == 0, got.stderr
+    assert "remark" not in got.stderr and "vectorized" not in got.stderr, got.stderr
+    env["FEDCOMP_KERNELS"] = "0"
+    torch_path = subprocess.run([sys.executable, "-c", _FRESH_COMPILE, *specs], env=env, capture_output=True, text=True,
+                                timeout=300)
+    assert torch_path.returncode == 0, torch_path.stderr
+    assert got.stdout.split() == torch_path.stdout.split() and len(got.stdout.split()) == len(specs)
