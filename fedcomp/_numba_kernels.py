@@ -1424,7 +1424,8 @@ def _vector_width(dispatcher, width: int):
     lower the clock on some CPUs), and numba exposes no per-function ``prefer-vector-width``.
     The counter hash and the codes loops around it are compute-bound: in cache, qsgd's codes
     loop measured 2.1 -> 1.4 read passes, kbit's 1.3 -> 1.0 and TernGrad's 1.6 -> 1.0
-    (2026-11-23, this project's AVX-512 machine); on AVX2 a 16-lane loop is two 8-lane halves.
+    (2026-11-23, this project's AVX-512 machine; on AVX2 or NEON LLVM splits a 16-lane loop into
+    narrower halves: not measured).
     The bits are the same (these loops reduce only integers, exactly). The option is
     process-wide while set: it is set and restored under numba's compiler lock, which every
     numba compilation holds; a version loaded from numba's cache is used as it was compiled."""
