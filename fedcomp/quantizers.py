@@ -1360,7 +1360,11 @@ class QSGD(_BlockRuns, _EntropyCoded, Quantizer):
     def _values(self, norm: torch.Tensor, level: torch.Tensor, negative: torch.Tensor, m: int) -> torch.Tensor:
         """norm * (+-level) / s per bucket (level, negative: uint8; a new fp32 tensor)."""
         signed = level.to(torch.int8) * (1 - 2 * negative.to(torch.int8))  # int8: |level| <= 127
-        return _per_block_(signed.to(torch.float32), self.config.bucket, norm / self.levels)
+        # Divided by a tensor, not the Python int: CUDA divides by a scalar as a multiply by its
+        # reciprocal, which is not correctly rounded, so norm / levels would differ from the CPU's
+        # (kernels and numpy) by an ulp and a GPU's decode from every other decode of the payload.
+        per_level = norm / torch.full_like(norm, float(self.levels))
+        return _per_block_(signed.to(torch.float32), self.config.bucket, per_level)
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         return self.read_values(src, count, device).dense()

@@ -196,13 +196,17 @@ class CountSketch(Reducer):
         return self._estimates(table, n, 0, n)
 
     def top_entries(self, table: torch.Tensor, n: int, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions, estimates) of the k largest estimates in magnitude, unsorted.
+        """(positions, estimates) of the k largest estimates in magnitude; where several tie at the
+        k-th magnitude, the lowest positions among them.
 
-        Estimates are formed and ranked SELECT_CHUNK elements at a time (torch.topk per chunk,
-        then of the chunk's and the running candidates), so the memory is a chunk plus 2k
-        candidates. A segment of one chunk is one torch.topk over all estimates; where several
-        estimates tie at the k-th magnitude, which of them are kept is torch.topk's choice
-        (per chunk, then among the candidates).
+        Ties are the rule, not the exception: every element hashed to a cell of a one-row sketch
+        has that cell's magnitude. ``torch.topk`` breaks them differently on the CPU and CUDA, so
+        a client unsketching on its GPU (the residual of error feedback) and a server on its CPU
+        would keep different elements; the lowest positions make the choice the same everywhere.
+        Estimates are formed and ranked SELECT_CHUNK elements at a time (per chunk, then among the
+        chunk's and the running candidates, in position order), so the memory is a chunk plus 2k
+        candidates; the k entries of one total order (magnitude, then position) are kept in any
+        chunking.
         """
         k = self.kept(n) if k is None else k
         best_idx = torch.empty(0, dtype=torch.int64, device=table.device)
@@ -210,11 +214,11 @@ class CountSketch(Reducer):
         for lo in range(0, n, SELECT_CHUNK):
             hi = min(n, lo + SELECT_CHUNK)
             est = self._estimates(table, n, lo, hi)
-            top = torch.topk(est.abs(), min(k, hi - lo), sorted=False).indices
+            top = _top_lowest_ties(est.abs(), min(k, hi - lo))
             idx, val = torch.cat([best_idx, top + lo]), torch.cat([best_val, est[top]])
             del est, top
-            if idx.numel() > k:
-                keep = torch.topk(val.abs(), k, sorted=False).indices
+            if idx.numel() > k:  # candidates are in position order: earlier chunks', then this one's
+                keep = _top_lowest_ties(val.abs(), k)
                 idx, val = idx[keep], val[keep]
             best_idx, best_val = idx, val
         return best_idx, best_val
@@ -251,3 +255,19 @@ class CountSketch(Reducer):
 
     def expand(self, values: torch.Tensor, aux, seg: Segment) -> torch.Tensor:
         return self.heavy_hitters(values, seg.numel)
+
+
+def _top_lowest_ties(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions (ascending) of the k largest of ``mag``, the lowest positions among those tied
+    at the k-th largest: the same set on every device. A NaN (not finite estimates) falls back to
+    ``torch.topk``'s choice."""
+    if k <= 0 or k >= mag.numel():
+        return torch.arange(max(0, k) and mag.numel(), device=mag.device)
+    cut = torch.topk(mag, k, sorted=False).values.min()
+    above = mag > cut
+    need = k - int(above.sum())
+    at = torch.nonzero(mag == cut).squeeze(1)
+    if need < 0 or at.numel() < need:  # NaN among the values: no total order to follow
+        return torch.topk(mag, k, sorted=False).indices.sort().values
+    above[at[:need]] = True
+    return torch.nonzero(above).squeeze(1)

@@ -200,7 +200,9 @@ def peers(layout_name: str, x: torch.Tensor, device: torch.device, repeats: int)
         for i in range(0, n, 1 << 20):
             total[i:i + (1 << 20)].add_(flat[i:i + (1 << 20)])
     rows = []
-    for name, fn in (
+    to_host = (("peer: x.cpu() (device to host: what a dense GPU encode must move)", lambda: flat.cpu()),) \
+        if device.type == "cuda" else ()
+    for name, fn in to_host + (
         ("peer: y.copy_(x)", lambda: y.copy_(flat)),
         ("peer: float64 sum += x (1M-element chunks)", add_into_sum),
         ("peer: torch.topk(|x|, k=0.1%) alone", lambda: torch.topk(flat.abs(), k, sorted=False)),
@@ -242,7 +244,7 @@ def bench_layout(layout_name: str, tensors: dict[str, torch.Tensor], device: tor
         _print(rows[-1])
         if spec == ZERO_HEAVY:
             g = torch.Generator().manual_seed(1)
-            sparse = {n: torch.where(torch.rand(t.shape, generator=g) < 0.001, t * 100, torch.zeros_like(t)).to(device)
+            sparse = {n: torch.where(torch.rand(t.shape, generator=g).to(device) < 0.001, t * 100, torch.zeros_like(t))
                       for n, t in tensors.items()}
             codec.encode(sparse, nonce=1)
             read = _unit(flat, repeats, device)
@@ -282,6 +284,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--codecs", nargs="+", help="specs to run (default: the built-in list)")
     ap.add_argument("--cpu-only", action="store_true")
+    ap.add_argument("--cuda-only", action="store_true", help="only the CUDA rows (an error without a CUDA device)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--peers", action="store_true", help="time the peers even with --codecs (default: without)")
     ap.add_argument("--cold", action="store_true", help="measure the cold start even with --codecs (default: without)")
@@ -305,7 +308,9 @@ def main(argv=None) -> None:
     from fedcomp import kernels
 
     loaded = kernels.get() is not None  # the server path's kernels; encodes use them once loaded
-    devices = [torch.device("cpu")]
+    if args.cuda_only and (args.cpu_only or not torch.cuda.is_available()):
+        ap.error("--cuda-only needs a CUDA device torch can see, and excludes --cpu-only")
+    devices = [] if args.cuda_only else [torch.device("cpu")]
     if torch.cuda.is_available() and not args.cpu_only:
         devices.append(torch.device("cuda"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); medians of {args.repeats} runs; "

@@ -1386,7 +1386,7 @@ def test_spec_fuzz_raises_only_spec_error(text):
 
 
 # -- CUDA ----------------------------------------------------------------------------------------
-CUDA_CASES = ["none", "fp16", "sign-b128", "kbit4-sto", "qsgd4", "terngrad-clip0", "topk+qsgd4", "topk-tensor-fixed", "randomk-rescale+qsgd2", "threshold+fp16", "threshold-adaptive", "dgc+qsgd4", "powersgd-r2+fp16"]
+CUDA_CASES = list(BY_ID)  # every case: a GPU run is rare, and each case takes milliseconds there
 
 
 @pytest.mark.cuda
@@ -1405,3 +1405,26 @@ def test_cuda_encode_matches_cpu_decode(case_id):
     assert_same_bits({k: v.cpu() for k, v in on_gpu.items()}, on_cpu)
     assert codec.size_bytes(LAYOUT, enc.kept, enc.index_bytes) == len(enc.payload)
     check_codec_output(case, {k: v.cpu() for k, v in tensors.items()}, on_cpu, nonce=77)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case_id", CUDA_CASES)
+def test_cuda_accumulator_sums_what_the_cpu_sums(case_id):
+    """The server's decode + add with its sums on the GPU (Accumulator(device='cuda')) against the
+    CPU's (fused loops where numba is there), for replies encoded on the GPU: the same float64 sums
+    up to rounding (the GPU's adds need not fuse the multiply-add as the CPU loops do)."""
+    from fedcomp.aggregate import Accumulator
+
+    codec = codec_of(BY_ID[case_id])
+    payloads = [codec.encode({k: v.cuda() for k, v in model(seed).items()}, nonce=seed).payload for seed in (3, 4, 5)]
+    sums = []
+    for device in ("cpu", "cuda"):
+        acc = Accumulator(codec, LAYOUT, device=device, batch=2)
+        for i, payload in enumerate(payloads):
+            acc.add(payload, 1.0 + i)
+        sums.append({k: v.cpu() for k, v in acc.sum().items()})
+    assert list(sums[0]) == list(sums[1])
+    for name, want in sums[0].items():
+        torch.testing.assert_close(sums[1][name], want, rtol=1e-12, atol=1e-12 * float(want.abs().max()) + 1e-300,
+                                   msg=lambda m, name=name: f"{name}: {m}")

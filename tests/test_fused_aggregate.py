@@ -172,6 +172,24 @@ def test_chunked_top_k_keeps_the_largest(monkeypatch):
     assert idx.numel() == k == len(set(idx.tolist())) and torch.equal(val, est[idx])
     rest = torch.ones(5000, dtype=torch.bool)
     rest[idx] = False
-    assert float(val.abs().min()) >= float(est[rest].abs().max())  # ties at the k-th magnitude aside, the same set
-    if float(val.abs().min()) > float(est[rest].abs().max()):
-        assert torch.equal(cs.heavy_hitters(table, 5000), one)
+    assert float(val.abs().min()) >= float(est[rest].abs().max())
+    assert torch.equal(cs.heavy_hitters(table, 5000), one)  # ties included: lowest positions in any chunking
+
+
+@pytest.mark.parametrize("chunk", [None, 300, 1000])
+def test_heavy_hitters_tied_at_the_cut_are_the_lowest_positions(chunk, monkeypatch):
+    """A one-row sketch gives every element of a cell the cell's magnitude: the cut goes through ties.
+    The kept set is the first k of the order (magnitude descending, position ascending) however the
+    estimates are chunked, so every device (torch.topk breaks ties its own way) keeps the same."""
+    cs = CountSketch(CountSketch.Config(rows=1, cols=37, ratio=0.1, seed=2))
+    n = 2000
+    table = cs.sketch(torch.randn(n, generator=torch.Generator().manual_seed(5)))
+    est = cs.estimate(table, n)
+    k = cs.kept(n)
+    want = sorted(range(n), key=lambda j: (-abs(float(est[j])), j))[:k]
+    assert abs(float(est[want[-1]])) == abs(float(est[want[-2]]))  # the cut does go through a tie
+    if chunk:
+        monkeypatch.setattr(sketch, "SELECT_CHUNK", chunk)
+    idx, val = cs.top_entries(table, n)
+    assert sorted(idx.tolist()) == sorted(want) and torch.equal(val, est[idx])
+    assert cs.top_entries(table, n, 0)[0].numel() == 0 and cs.top_entries(table, n, n)[0].numel() == n

@@ -180,7 +180,8 @@ def test_char_model_learns():
     model = task.build_model("char-lstm", 0, "stdlib-chars")
     loss0, acc0 = task.evaluate(model, x, y, "cpu")
     assert loss0 == pytest.approx(np.log(len(datasets.VOCAB)), abs=0.2)
-    task.train(model, x, y, epochs=6, lr=2.0, batch_size=32, seed=0, device="cpu")
+    # 10 epochs: 6 left a thin margin on other torch builds (4.59 -> 3.81 on 2.13.0 CPU, 4.12 on 2.11.0+cu130)
+    task.train(model, x, y, epochs=10, lr=2.0, batch_size=32, seed=0, device="cpu")
     loss, acc = task.evaluate(model, x, y, "cpu")
     assert loss < loss0 - 0.5 and acc > acc0 and 0.0 <= acc <= 1.0
 
