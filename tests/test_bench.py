@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from fedcomp.simulations import bench_codecs, bench_server, bench_wire, sweep
+from fedcomp.simulations import bench_codecs, bench_server, bench_wire, profile_encode, sweep
 
 
 def test_bench_wire_bounds(tmp_path):
@@ -31,6 +31,20 @@ def test_bench_codecs_rows(tmp_path):
         assert r["size"] == 10000 and r["read_s"] > 0
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("encode_x", "decode_x", "decode_acc_x"))
     assert rows[1]["encode_target_x"] == 5.0 and rows[0]["encode_target_x"] == 3.0
+
+
+def test_profile_encode_counts_ops_per_tensor(tmp_path, monkeypatch):
+    from fedcomp import kernels
+
+    monkeypatch.setattr(kernels, "for_encode", lambda: None)  # the torch path, as on a GPU
+    out = tmp_path / "profile.json"
+    profile_encode.main(["--device", "cpu", "--scale", "0.05", "--repeats", "1", "--json", str(out),
+                         "--codecs", "terngrad()", "none()"])
+    rows = {r["codec"]: r for r in json.loads(out.read_text())}
+    assert rows["terngrad()"]["tensors"] == 161 and rows["terngrad()"]["numel"] > 10000
+    assert rows["terngrad()"]["aten_ops"] > 161 and not rows["terngrad()"]["cpu_kernels"]  # torch ops per tensor
+    assert all(r["layout_encode_s"] > 0 and r["one_tensor_encode_s"] > 0 for r in rows.values())
+    assert all(r["kernel_launches"] == r["host_copies"] == 0 and r["device_busy_s"] is None for r in rows.values())
 
 
 def test_bench_server_memory_rows(tmp_path):
