@@ -351,6 +351,12 @@ SCHEMES = [
            download="topk(ratio=0.01)+kbit(bits=4,stochastic=true)", download_mode="coupled"),
     Scheme("fetchsgd-k0.02+coupled-k0.02", SK16_K2, mode="fetchsgd", download="topk(ratio=0.02)+kbit(bits=4)",
            download_mode="coupled"),
+    # the heavy hitters' share with the coupled stochastic download (2026-11-26: 1% throttled a small CNN
+    # with several local epochs through flwr run; these check the MLP regimes the default was tuned on)
+    Scheme("fetchsgd-k0.02+coupled-stoch-k0.02", SK16_K2, mode="fetchsgd",
+           download="topk(ratio=0.02)+kbit(bits=4,stochastic=true)", download_mode="coupled"),
+    Scheme("fetchsgd-k0.05+coupled-stoch-k0.05", "sketch(rows=1,cols=16000,ratio=0.05)+qsgd(bits=4)", mode="fetchsgd",
+           download="topk(ratio=0.05)+kbit(bits=4,stochastic=true)", download_mode="coupled"),
     Scheme("fetchsgd-k0.02+down-seeded", SK16_K2, mode="fetchsgd", download=DOWN, download_mode="seeded"),
     Scheme("fetchsgd-k0.02+down-seeded-kbit8", SK16_K2, mode="fetchsgd", download="topk(ratio=0.01)+kbit(bits=8)",
            download_mode="seeded"),
