@@ -639,6 +639,26 @@ def _u24(base, k1, j):
     return _F32(np.int32(_h32(base, k1, j) >> np.uint32(8))) * _U24
 
 
+@njit(cache=True, nogil=True)
+def sketch_add(x, k0s, k1s, cols, table):
+    """CountSketch.sketch, payload format 2 (:meth:`fedcomp.sketch.CountSketch._hash_chunks`):
+    for row r and element j, h = h_j of the stream (k0s[r], k1s[r]), the cell r * cols +
+    (h * cols >> 32), the sign - where h is odd; table[cell] += sign * x[j], row by row and
+    element by element in index order, as ``index_add_`` adds them (the same fp32 sums)."""
+    n = x.shape[0]
+    c64 = np.uint64(cols)
+    one = np.uint32(1)
+    for r in range(k0s.shape[0]):
+        base = _base(k0s[r], 0)
+        k1 = k1s[r]
+        off = r * cols
+        for j in range(n):
+            h = _h32(base, k1, j)
+            c = off + np.int64((np.uint64(h) * c64) >> np.uint64(32))
+            v = x[j]
+            table[c] += -v if h & one else v
+
+
 _HBLOCK = 1 << 16  # hashes per step of smallest_hashes (a block's top bits fit one small buffer)
 
 

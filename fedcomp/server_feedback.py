@@ -48,7 +48,7 @@ from fedcomp.aggregate import check_weight
 from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.fetchsgd import sketch_step
 from fedcomp.layout import Layout
-from fedcomp.wire import open_payload
+from fedcomp.wire import HEADER, open_payload
 
 
 class ServerFeedback:
@@ -129,6 +129,11 @@ class ServerFeedback:
 
     def _sketch_values(self, payload: bytes, parts: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         read, raw = self._sketch_codec.decode_parts(payload, self._sketch_layout)
+        version = HEADER.unpack_from(payload)[1]  # decode_parts checked the header
+        if version < getattr(self.reducer, "wire_version", 1):
+            raise DecodeError(f"sketch payload of format version {version}: its hashes are not this server's "
+                              f"(format {self.reducer.wire_version}), so its table cannot be summed with the others; "
+                              f"update fedcomp on the client")
         for i, t in raw.items():
             parts[self._sketch_layout.tensors[i].name] = t
         return [vals for _, _, _, vals in read]

@@ -33,8 +33,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from fedcomp import kernels, uniforms
 from fedcomp.base import REGISTRY, Knob, Reducer, Segment, StageContext, register
 from fedcomp.wire import Reader, Writer
 
@@ -48,6 +50,8 @@ MIN_AUTO_COLS = 256  # ... but at least this many (or n for a smaller segment)
 EXPLICIT_COLS_ROWS = 5  # rows=0 (default) with cols given: the former default (fp32 cells)
 AUTO_RATIO = 0.02  # ratio=0 (default) with automatic cols: heavy hitters applied per round (module docstring)
 EXPLICIT_COLS_RATIO = 0.005  # ratio=0 with cols given: the former default
+SKETCH_SALT = 0x5851F42D  # in k1 of every row's hash stream: apart from a quantizer's stream of the same key
+ROW_SALT = 0x632BE5AB  # times the row, in k1: each row its own stream
 
 
 @register
@@ -56,6 +60,10 @@ class CountSketch(Reducer):
 
     name = "sketch"
     linear = True
+    # payload format: 2 = counter hashes (_row_keys; since 2026-11-26); 1 = tables drawn from a
+    # torch.Generator (read still: a format-1 payload decodes with its own hashes; a server that
+    # sums sketches refuses it, as a sum of tables under two hashes means nothing)
+    wire_version = 2
     budget_knobs = (Knob("cols", "count"),)  # 1 .. the float elements, rows cells per step
 
     @dataclass(frozen=True)
@@ -117,7 +125,15 @@ class CountSketch(Reducer):
         return REGISTRY["qsgd"].from_args({"bits": 4})
 
     # -- hashing ----------------------------------------------------------------------------
-    # Hashes and signs are torch.randint draws from one CPU generator seeded by (seed, n): all
+    # Format 2 (the default since 2026-11-26): element j of row r goes to cell (h * cols) >> 32
+    # with the sign - where h is odd, h the 32-bit counter hash of j in row r's stream
+    # (:func:`_row_keys`; :mod:`fedcomp.uniforms`' hash), computed where the data is (torch int32
+    # ops on any device, or inside the compiled loop of ``_numba_kernels.sketch_add``). Why: the
+    # format-1 tables below are torch.randint draws from a CPU generator, ~40 read passes of a
+    # 25M-element update per encode on one thread, generated on the CPU even for a CUDA update
+    # (1.5 s on an H200 for 25M elements), where these hashes cost ~8 in torch ops and ~1-2 in
+    # the loop.
+    # Format 1: hashes and signs are torch.randint draws from one CPU generator seeded by (seed, n): all
     # buckets row by row, then all signs row by row (one 32-bit draw per value, in order). Small
     # segments keep the tables; large ones keep the generator's state every `block` elements of
     # each row and regenerate the tables chunk by chunk (the same values, no n-sized table).
@@ -148,10 +164,21 @@ class CountSketch(Reducer):
                 self._hashes[key] = ("states", states[:rows], states[rows:])
         return self._hashes[key]
 
-    def _hash_chunks(self, n: int, device: torch.device, lo: int = 0, hi: int | None = None):
+    def _row_keys(self, n: int) -> list[tuple[int, int]]:
+        """(k0, k1) of each row's hash stream for a segment of ``n`` elements (format 2): the
+        format-1 generator's seed (seed * 1_000_003 + n) split into two words, each row its k1."""
+        s = self.config.seed * 1_000_003 + n
+        return [(s & uniforms.M32, ((s >> 32) ^ SKETCH_SALT ^ (r * ROW_SALT)) & uniforms.M32)
+                for r in range(self.rows)]
+
+    def _hash_chunks(self, n: int, device: torch.device, lo: int = 0, hi: int | None = None, version: int = 2):
         """(a, b, flat cell indices rows x (b - a), signs rows x (b - a)) over [lo, hi) in chunks
-        (lo: a multiple of the chunk size); the values of the tables of all n elements."""
+        (lo: a multiple of the chunk size); the cells and signs of all n elements under the hashes
+        of payload format ``version``."""
         hi = n if hi is None else hi
+        if version >= 2:
+            yield from self._counter_chunks(n, device, lo, hi)
+            return
         plan = self._plan(n, device)
         rows, cols = self.rows, self.cols(n)
         if plan[0] == "tables":
@@ -176,26 +203,50 @@ class CountSketch(Reducer):
                 torch.randint(0, 2, (b - a,), generator=gen, dtype=torch.int8, out=signs[r])
             yield a, b, (buckets + offsets).to(device), (signs * 2 - 1).to(device=device, dtype=torch.float32)
 
-    def sketch(self, x: torch.Tensor) -> torch.Tensor:
-        """The table (rows * cols, flattened) of a 1-D vector."""
-        table = torch.zeros(self.cells(x.numel()), device=x.device)
-        for a, b, cells, signs in self._hash_chunks(x.numel(), x.device):
-            # each cell gets its elements in index order, as one index_add_ over all would add them
+    def _counter_chunks(self, n: int, device: torch.device, lo: int, hi: int):
+        """Format 2's cells and signs (torch int32 ops, on ``device``), chunk by chunk."""
+        rows, cols = self.rows, self.cols(n)
+        step = self._block()
+        keys = self._row_keys(n)
+        work = torch.empty(2 * max(1, min(step, hi - lo)), dtype=torch.int32, device=device)
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            cells = torch.empty(rows, b - a, dtype=torch.int64, device=device)
+            signs = torch.empty(rows, b - a, dtype=torch.float32, device=device)
+            for r, key in enumerate(keys):
+                h = uniforms._mix(key, a, b - a, device, work)  # a view of work: used up before the next row
+                cells[r].copy_(h).bitwise_and_(uniforms.M32).mul_(cols).bitwise_right_shift_(32).add_(r * cols)
+                signs[r].copy_(h.bitwise_and(1)).mul_(-2).add_(1)
+            yield a, b, cells, signs
+
+    def sketch(self, x: torch.Tensor, version: int = 2) -> torch.Tensor:
+        """The table (rows * cols, flattened) of a 1-D vector, under the hashes of payload format
+        ``version``; each cell adds its elements in index order (one ``index_add_`` over all, or
+        the compiled loop for format 2 on the CPU: the same fp32 sums)."""
+        n = x.numel()
+        table = torch.zeros(self.cells(n), device=x.device)
+        k = _sketch_kernels(x) if version >= 2 else None
+        if k is not None:
+            keys = np.array(self._row_keys(n), dtype=np.uint32).reshape(-1, 2)
+            k.sketch_add(x.numpy(), keys[:, 0].copy(), keys[:, 1].copy(), self.cols(n), table.numpy())
+            return table
+        for a, b, cells, signs in self._hash_chunks(n, x.device, version=version):
             table.index_add_(0, cells.reshape(-1), (signs * x[a:b]).reshape(-1))
         return table
 
-    def _estimates(self, table: torch.Tensor, n: int, lo: int, hi: int) -> torch.Tensor:
+    def _estimates(self, table: torch.Tensor, n: int, lo: int, hi: int, version: int = 2) -> torch.Tensor:
         """Median-of-rows estimates of elements [lo, hi)."""
         out = torch.empty(hi - lo, device=table.device)
-        for a, b, cells, signs in self._hash_chunks(n, table.device, lo, hi):
+        for a, b, cells, signs in self._hash_chunks(n, table.device, lo, hi, version):
             out[a - lo:b - lo] = (signs * table[cells]).median(dim=0).values
         return out
 
-    def estimate(self, table: torch.Tensor, n: int) -> torch.Tensor:
-        """Median-of-rows estimate of every element."""
-        return self._estimates(table, n, 0, n)
+    def estimate(self, table: torch.Tensor, n: int, version: int = 2) -> torch.Tensor:
+        """Median-of-rows estimate of every element (hashes of payload format ``version``)."""
+        return self._estimates(table, n, 0, n, version)
 
-    def top_entries(self, table: torch.Tensor, n: int, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_entries(self, table: torch.Tensor, n: int, k: int | None = None,
+                    version: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions, estimates) of the k largest estimates in magnitude; where several tie at the
         k-th magnitude, the lowest positions among them.
 
@@ -213,7 +264,7 @@ class CountSketch(Reducer):
         best_val = torch.empty(0, device=table.device)
         for lo in range(0, n, SELECT_CHUNK):
             hi = min(n, lo + SELECT_CHUNK)
-            est = self._estimates(table, n, lo, hi)
+            est = self._estimates(table, n, lo, hi, version)
             top = _top_lowest_ties(est.abs(), min(k, hi - lo))
             idx, val = torch.cat([best_idx, top + lo]), torch.cat([best_val, est[top]])
             del est, top
@@ -223,9 +274,9 @@ class CountSketch(Reducer):
             best_idx, best_val = idx, val
         return best_idx, best_val
 
-    def heavy_hitters(self, table: torch.Tensor, n: int, k: int | None = None) -> torch.Tensor:
+    def heavy_hitters(self, table: torch.Tensor, n: int, k: int | None = None, version: int = 2) -> torch.Tensor:
         """Dense vector holding the k largest estimates (others zero)."""
-        idx, val = self.top_entries(table, n, k)
+        idx, val = self.top_entries(table, n, k, version)
         y = torch.zeros(n, device=table.device)
         y[idx] = val
         return y
@@ -245,24 +296,26 @@ class CountSketch(Reducer):
         return 0
 
     def reduce(self, x: torch.Tensor, seg: Segment, out: Writer, ctx: StageContext):
-        return self.sketch(x), None, 0
+        return self.sketch(x, self.wire_version), None, 0
 
     def read(self, src: Reader, seg: Segment, ctx: StageContext, device: torch.device):
-        return None
+        return src.version  # the payload's format: its hashes
 
     def value_count(self, aux, seg: Segment) -> int:
         return self.cells(seg.numel)
 
     def expand(self, values: torch.Tensor, aux, seg: Segment) -> torch.Tensor:
-        return self.heavy_hitters(values, seg.numel)
+        return self.heavy_hitters(values, seg.numel, version=aux or self.wire_version)
 
 
 def _top_lowest_ties(mag: torch.Tensor, k: int) -> torch.Tensor:
     """Positions (ascending) of the k largest of ``mag``, the lowest positions among those tied
     at the k-th largest: the same set on every device. A NaN (not finite estimates) falls back to
     ``torch.topk``'s choice."""
-    if k <= 0 or k >= mag.numel():
-        return torch.arange(max(0, k) and mag.numel(), device=mag.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=mag.device)
+    if k >= mag.numel():
+        return torch.arange(mag.numel(), device=mag.device)
     cut = torch.topk(mag, k, sorted=False).values.min()
     above = mag > cut
     need = k - int(above.sum())
@@ -271,3 +324,11 @@ def _top_lowest_ties(mag: torch.Tensor, k: int) -> torch.Tensor:
         return torch.topk(mag, k, sorted=False).indices.sort().values
     above[at[:need]] = True
     return torch.nonzero(above).squeeze(1)
+
+
+def _sketch_kernels(x: torch.Tensor):
+    """The compiled loops for sketching ``x`` (contiguous fp32 on the CPU, no grad) where they are
+    loaded (:func:`fedcomp.kernels.for_encode`), else None (torch ops)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or not x.is_contiguous():
+        return None
+    return kernels.for_encode()

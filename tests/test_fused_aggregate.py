@@ -156,7 +156,12 @@ def test_regenerated_hashes_equal_tables(rows, monkeypatch):
     cached_est = CountSketch(CountSketch.Config(rows=rows, cols=50, seed=4)).estimate(cached_table, 1000)
     regen = _regenerating(rows, 50, monkeypatch)
     assert regen._plan(1000, torch.device("cpu"))[0] == "states"
-    assert torch.equal(regen.sketch(x), cached_table)  # the same bits: each cell adds in index order
+    assert torch.equal(regen.sketch(x), cached_table)  # format 2: counter hashes, no tables either way
+    # format 1 (generator tables): regenerated chunk by chunk from saved states, the same bits
+    cached_v1 = CountSketch(CountSketch.Config(rows=rows, cols=50, seed=4)).sketch(x, version=1)
+    assert torch.equal(regen.sketch(x, version=1), cached_v1)  # each cell adds in index order
+    assert torch.equal(regen.estimate(cached_v1, 1000, version=1),
+                       CountSketch(CountSketch.Config(rows=rows, cols=50, seed=4)).estimate(cached_v1, 1000, version=1))
     assert torch.equal(regen.estimate(cached_table, 1000), cached_est)
 
 
@@ -193,3 +198,6 @@ def test_heavy_hitters_tied_at_the_cut_are_the_lowest_positions(chunk, monkeypat
     idx, val = cs.top_entries(table, n)
     assert sorted(idx.tolist()) == sorted(want) and torch.equal(val, est[idx])
     assert cs.top_entries(table, n, 0)[0].numel() == 0 and cs.top_entries(table, n, n)[0].numel() == n
+    mag = torch.tensor([1.0, float("nan"), 3.0, 3.0, 2.0])  # not finite: torch.topk's choice, still k of them
+    assert sketch._top_lowest_ties(mag, 2).numel() == 2
+    assert sketch._top_lowest_ties(torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0]), 2).tolist() == [1, 2]

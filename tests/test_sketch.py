@@ -137,3 +137,69 @@ def test_default_dimensions_scale_with_the_segment():
     assert 60_300 * 4 / len(auto.encode(x).payload) > 100  # 4,101 cells at 4 bits
     old = fedcomp.build_codec("sketch(rows=5, cols=1000, ratio=0.005, seed=0)")
     assert explicit.reducer.sketch(x["w"]).equal(old.reducer.sketch(x["w"]))  # the former default's tables
+
+
+# -- format 2: counter hashes ------------------------------------------------------------------
+def _h32(key, i):
+    """The 32-bit counter hash of element i (fedcomp.uniforms' definition, in plain Python)."""
+    from fedcomp import uniforms
+
+    k0, k1 = key
+    h = ((k0 + i * uniforms.G) & uniforms.M32) ^ k1
+    h ^= h >> 16
+    h = (h * uniforms.A) & uniforms.M32
+    h ^= h >> 15
+    h = (h * uniforms.B) & uniforms.M32
+    return h ^ (h >> 16)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1000), (3, 1000), (1, 300_001), (2, 200_003)])
+def test_counter_hashes_same_on_every_path(rows, n, monkeypatch):
+    """Format 2: element j of row r goes to cell (h * cols) >> 32 of its row with the sign - where
+    h is odd; the compiled loop and torch ops (chunked) give the same table bit for bit, and both
+    follow the definition (plain Python, for some elements)."""
+    from fedcomp import kernels
+    from fedcomp.sketch import CountSketch
+
+    cs = CountSketch(CountSketch.Config(rows=rows, cols=997, seed=7))
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    kernels.get()
+    fast = cs.sketch(x)
+    monkeypatch.setattr(kernels, "for_encode", lambda: None)
+    slow = cs.sketch(x)
+    assert torch.equal(fast, slow)
+    keys = cs._row_keys(n)
+    assert len(set(keys)) == rows
+    for a, b, cells, signs in cs._hash_chunks(n, torch.device("cpu")):
+        for j in (a, (a + b) // 2, b - 1):
+            for r, key in enumerate(keys):
+                h = _h32(key, j)
+                assert int(cells[r, j - a]) == r * 997 + (h * 997 >> 32)
+                assert float(signs[r, j - a]) == (-1.0 if h & 1 else 1.0)
+    # a count sketch's estimate: unbiased per element; a lone heavy hitter comes back exactly
+    y = torch.zeros(n)
+    y[n // 3] = 5.0
+    assert float(cs.estimate(cs.sketch(y), n)[n // 3]) == 5.0
+
+
+def test_format_1_sketch_payloads_decode_with_their_hashes_and_a_server_refuses_to_sum_them(monkeypatch):
+    from fedcomp.server_feedback import ServerFeedback
+    from fedcomp.sketch import CountSketch
+
+    x = {"w": torch.randn(60, 50, generator=torch.Generator().manual_seed(1)), "b": torch.randn(60)}
+    layout = fedcomp.Layout.of(x)
+    spec = "sketch(rows=3,cols=400,ratio=0.05)"
+    codec = fedcomp.build_codec(spec)
+    new = codec.encode(x, nonce=1)
+    monkeypatch.setattr(CountSketch, "wire_version", 1)
+    old = fedcomp.build_codec(spec).encode(x, nonce=1)
+    monkeypatch.undo()
+    assert (old.payload[2], new.payload[2]) == (1, 2)
+    for enc in (old, new):  # each decodes to what its encoder decoded, under its own hashes
+        got = codec.decode(enc.payload, layout)
+        assert all(torch.equal(got[k], enc.decoded[k]) for k in x)
+    assert not torch.equal(codec.decode(old.payload, layout)["w"], codec.decode(new.payload, layout)["w"])
+    fb = ServerFeedback(codec, layout)
+    fb.add(new.payload, 1.0)
+    with pytest.raises(fedcomp.DecodeError, match="format version 1"):
+        fb.add(old.payload, 1.0)
