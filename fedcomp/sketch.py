@@ -38,7 +38,7 @@ import torch
 
 from fedcomp import kernels, uniforms
 from fedcomp.base import REGISTRY, Knob, Reducer, Segment, StageContext, register
-from fedcomp.wire import Reader, Writer
+from fedcomp.wire import Reader, Writer, host_empty
 
 HASH_CACHE = 1 << 21  # hash entries (rows x elements) kept as tables; larger segments regenerate them
 HASH_CHUNK = 1 << 18  # hash entries per regenerated chunk (temporaries of about 4 MB)
@@ -224,7 +224,10 @@ class CountSketch(Reducer):
         ``version``; each cell adds its elements in index order (one ``index_add_`` over all, or
         the compiled loop for format 2 on the CPU: the same fp32 sums)."""
         n = x.numel()
-        table = torch.zeros(self.cells(n), device=x.device)
+        if x.device.type == "cpu":  # huge pages where large: cells are hit at random, a 4 kB page a TLB miss
+            table = host_empty(self.cells(n), torch.float32).zero_()
+        else:
+            table = torch.zeros(self.cells(n), device=x.device)
         k = _sketch_kernels(x) if version >= 2 else None
         if k is not None:
             keys = np.array(self._row_keys(n), dtype=np.uint32).reshape(-1, 2)
@@ -238,7 +241,8 @@ class CountSketch(Reducer):
         """Median-of-rows estimates of elements [lo, hi)."""
         out = torch.empty(hi - lo, device=table.device)
         for a, b, cells, signs in self._hash_chunks(n, table.device, lo, hi, version):
-            out[a - lo:b - lo] = (signs * table[cells]).median(dim=0).values
+            est = signs * torch.index_select(table, 0, cells.reshape(-1)).view(cells.shape)  # ~6x table[cells] (CPU)
+            out[a - lo:b - lo] = est[0] if est.shape[0] == 1 else est.median(dim=0).values  # one row: itself
         return out
 
     def estimate(self, table: torch.Tensor, n: int, version: int = 2) -> torch.Tensor:
@@ -316,7 +320,11 @@ def _top_lowest_ties(mag: torch.Tensor, k: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=mag.device)
     if k >= mag.numel():
         return torch.arange(mag.numel(), device=mag.device)
-    cut = torch.topk(mag, k, sorted=False).values.min()
+    if mag.device.type == "cpu":  # introselect: ~3.5x faster than topk's values at k = a quarter of mag
+        a = mag.numpy()
+        cut = float(np.partition(a, a.size - k)[a.size - k])
+    else:
+        cut = float(torch.topk(mag, k, sorted=False).values.min())
     above = mag > cut
     need = k - int(above.sum())
     at = torch.nonzero(mag == cut).squeeze(1)
