@@ -20,11 +20,14 @@ the scaling are the same codec (``sketch(cols=1000)`` is still ``sketch(rows=5,c
 With automatic cols the heavy hitters' share is 0.02: on mnist ``cnn-bn``, 100 clients at 10% per
 round, 0.005 lost 12.5 points against dense and 0.02 lost 1.8 (``simulations/figures/families``).
 
-Memory: no n-sized table is kept for a large segment (rows x n > ``HASH_CACHE``): hashes and signs
-are regenerated chunk by chunk from saved generator states (the same values), and unsketching
-estimates and ranks ``SELECT_CHUNK`` elements at a time, so sketching, estimating and taking the
-heavy hitters cost chunk-sized temporaries plus 2k candidates (and the dense result where one is
-asked for).
+Hashes (payload format 2, since 2026-11-26): h_r(j) and s_r(j) come from the counter hash of j in
+row r's stream (:mod:`fedcomp.uniforms`), computed chunk by chunk where the data is; payloads of
+format 1 (tables drawn from a CPU ``torch.Generator``) still decode with theirs.
+
+Memory: no n-sized hash table is kept (format 1: none for rows x n > ``HASH_CACHE``; they are
+regenerated chunk by chunk from saved generator states), and unsketching estimates and ranks
+``SELECT_CHUNK`` elements at a time, so sketching, estimating and taking the heavy hitters cost
+chunk-sized temporaries plus 2k candidates (and the dense result where one is asked for).
 """
 
 from __future__ import annotations
