@@ -644,7 +644,7 @@ def sketch_add(x, k0s, k1s, cols, table):
     """CountSketch.sketch, payload format 2 (:meth:`fedcomp.sketch.CountSketch._hash_chunks`):
     for row r and element j, h = h_j of the stream (k0s[r], k1s[r]), the cell r * cols +
     (h * cols >> 32), the sign - where h is odd; table[cell] += sign * x[j], row by row and
-    element by element in index order, as ``index_add_`` adds them (the same fp32 sums)."""
+    element by element in index order, as ``scatter_add_`` and ``index_add_`` add them (the same fp32 sums)."""
     n = x.shape[0]
     c64 = np.uint64(cols)
     one = np.uint32(1)

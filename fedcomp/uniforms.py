@@ -44,16 +44,20 @@ def draw_key(gen: torch.Generator | None, device: torch.device) -> tuple[int, in
     return int(k[0]), int(k[1])
 
 
-def reference(key: tuple[int, int], i: int) -> float:
-    """u_i in plain Python (the definition; for tests)."""
+def reference_hash(key: tuple[int, int], i: int) -> int:
+    """h_i, the 32-bit hash of element i, in plain Python (the definition; for tests)."""
     k0, k1 = key
     h = ((k0 + i * G) & M32) ^ k1
     h ^= h >> 16
     h = (h * A) & M32
     h ^= h >> 15
     h = (h * B) & M32
-    h ^= h >> 16
-    return (h >> 8) * SCALE
+    return h ^ (h >> 16)
+
+
+def reference(key: tuple[int, int], i: int) -> float:
+    """u_i in plain Python (the definition; for tests)."""
+    return (reference_hash(key, i) >> 8) * SCALE
 
 
 def smallest(key: tuple[int, int], n: int, k: int, *, load: bool = True, sigmas: float = 8.0) -> torch.Tensor:

@@ -140,19 +140,6 @@ def test_default_dimensions_scale_with_the_segment():
 
 
 # -- format 2: counter hashes ------------------------------------------------------------------
-def _h32(key, i):
-    """The 32-bit counter hash of element i (fedcomp.uniforms' definition, in plain Python)."""
-    from fedcomp import uniforms
-
-    k0, k1 = key
-    h = ((k0 + i * uniforms.G) & uniforms.M32) ^ k1
-    h ^= h >> 16
-    h = (h * uniforms.A) & uniforms.M32
-    h ^= h >> 15
-    h = (h * uniforms.B) & uniforms.M32
-    return h ^ (h >> 16)
-
-
 @pytest.mark.parametrize("rows,n", [(1, 1000), (3, 1000), (1, 300_001), (2, 200_003)])
 def test_counter_hashes_same_on_every_path(rows, n, monkeypatch):
     """Format 2: element j of row r goes to cell (h * cols) >> 32 of its row with the sign - where
@@ -160,6 +147,7 @@ def test_counter_hashes_same_on_every_path(rows, n, monkeypatch):
     follow the definition (plain Python, for some elements)."""
     from fedcomp import kernels
     from fedcomp.sketch import CountSketch
+    from fedcomp.uniforms import reference_hash
 
     cs = CountSketch(CountSketch.Config(rows=rows, cols=997, seed=7))
     x = torch.randn(n, generator=torch.Generator().manual_seed(n))
@@ -173,7 +161,7 @@ def test_counter_hashes_same_on_every_path(rows, n, monkeypatch):
     for a, b, cells, signs in cs._hash_chunks(n, torch.device("cpu")):
         for j in (a, (a + b) // 2, b - 1):
             for r, key in enumerate(keys):
-                h = _h32(key, j)
+                h = reference_hash(key, j)
                 assert int(cells[r, j - a]) == r * 997 + (h * 997 >> 32)
                 assert float(signs[r, j - a]) == (-1.0 if h & 1 else 1.0)
     # a count sketch's estimate: unbiased per element; a lone heavy hitter comes back exactly

@@ -177,15 +177,7 @@ def test_smallest_hashes_same_on_every_path(n, k, monkeypatch):
         assert fast.tolist() == sorted(i for _, i in sorted((_h32(key, i), i) for i in range(n))[:k])
 
 
-def _h32(key, i):
-    """The 32-bit hash of element i (uniforms' module docstring; u_i is its top 24 bits)."""
-    k0, k1 = key
-    h = ((k0 + i * uniforms.G) & uniforms.M32) ^ k1
-    h ^= h >> 16
-    h = (h * uniforms.A) & uniforms.M32
-    h ^= h >> 15
-    h = (h * uniforms.B) & uniforms.M32
-    return h ^ (h >> 16)
+_h32 = uniforms.reference_hash  # the 32-bit hash of element i (u_i is its top 24 bits)
 
 
 def test_randomk_older_formats_still_decode(monkeypatch):
