@@ -130,7 +130,7 @@ class ServerFeedback:
     def _sketch_values(self, payload: bytes, parts: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         read, raw = self._sketch_codec.decode_parts(payload, self._sketch_layout)
         version = HEADER.unpack_from(payload)[1]  # decode_parts checked the header
-        if version < getattr(self.reducer, "wire_version", 1):
+        if version < self.reducer.wire_version:
             raise DecodeError(f"sketch payload of format version {version}: its hashes are not this server's "
                               f"(format {self.reducer.wire_version}), so its table cannot be summed with the others; "
                               f"update fedcomp on the client")

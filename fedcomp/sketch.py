@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedcomp import kernels, uniforms
+from fedcomp import uniforms
 from fedcomp.base import REGISTRY, Knob, Reducer, Segment, StageContext, register
+from fedcomp.quantizers import _encode_kernels
 from fedcomp.wire import Reader, Writer, host_empty
 
 HASH_CACHE = 1 << 21  # hash entries (rows x elements) kept as tables; larger segments regenerate them
@@ -231,7 +232,7 @@ class CountSketch(Reducer):
             table = host_empty(self.cells(n), torch.float32).zero_()
         else:
             table = torch.zeros(self.cells(n), device=x.device)
-        k = _sketch_kernels(x) if version >= 2 else None
+        k = _encode_kernels(x) if version >= 2 else None
         if k is not None:
             keys = np.array(self._row_keys(n), dtype=np.uint32).reshape(-1, 2)
             k.sketch_add(x.numpy(), keys[:, 0].copy(), keys[:, 1].copy(), self.cols(n), table.numpy())
@@ -336,11 +337,3 @@ def _top_lowest_ties(mag: torch.Tensor, k: int) -> torch.Tensor:
         return torch.topk(mag, k, sorted=False).indices.sort().values
     above[at[:need]] = True
     return torch.nonzero(above).squeeze(1)
-
-
-def _sketch_kernels(x: torch.Tensor):
-    """The compiled loops for sketching ``x`` (contiguous fp32 on the CPU, no grad) where they are
-    loaded (:func:`fedcomp.kernels.for_encode`), else None (torch ops)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or not x.is_contiguous():
-        return None
-    return kernels.for_encode()

@@ -22,17 +22,12 @@ import torch
 
 import fedcomp
 from fedcomp import kernels
-from fedcomp.simulations.bench_codecs import resnet50_shapes
+from fedcomp.simulations.bench_codecs import _sync, resnet50_shapes
 
 CODECS = ("none()", "kbit(bits=4)", "qsgd(bits=4)", "sign()", "terngrad()", "topk(ratio=0.001)+qsgd(bits=4)")
 _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
 _COPIES = ("cudaMemcpyAsync", "cudaMemcpy")
 _SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _time(fn, device: torch.device, repeats: int) -> float:
