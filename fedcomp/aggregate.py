@@ -58,6 +58,11 @@ from fedcomp.errors import DecodeError, FedcompError
 
 CHUNK = 1 << 20  # elements per step of chunked loops: temporaries of 8 MB at most
 BATCH = 8  # replies whose fused adds share one pass over the float64 sum (Accumulator(batch=...))
+# payload bytes that may wait for that pass, in float64 sums' worth: fp32 replies go four at a time
+# (2.4 read passes a reply at 25M against 3.0 two at a time, 2026-11-26). A server holds a round's
+# replies anyway (Flower returns them together); this bounds what an Accumulator keeps alive for a
+# caller that drops each payload after add().
+PENDING_SUMS = 2
 SUM_CHUNK = 1 << 18  # elements of the sum per step of that pass (2 MB of float64: in the cache)
 APPLY_CHUNK = 1 << 18  # elements per step of apply_step (three wide temporaries each: 5 MB)
 MAX_WEIGHT = float(2**53)  # largest weight accepted at all: beyond it counts are not exact in float64
@@ -430,8 +435,8 @@ class Accumulator:
     batch : int (default: 8)
         Dense replies (quantizer codes, PowerSGD factors) whose fused adds share one pass over
         the float64 sum. A checked reply waits, compact (its codes are views of its payload),
-        until ``batch`` of them are there, their payloads reach the sum's size (8 bytes per
-        element: fp32 replies go two at a time), or the sum is read (:meth:`flush`); then each
+        until ``batch`` of them are there, their payloads reach twice the sum's size (16 bytes
+        per element: fp32 replies go four at a time), or the sum is read (:meth:`flush`); then each
         chunk of the sum (2 MB, in the cache) takes every waiting reply in arrival order. The sum
         has the bits of adding them one at a time (the same additions per element, in the same
         order); the sum's memory traffic (16 bytes per element and pass, more than a 4-bit
@@ -458,7 +463,7 @@ class Accumulator:
         self._sums: dict[str, torch.Tensor] | None = None
         self._ints: dict[str, torch.Tensor] = {}
         self._pending: list[tuple[Update, float]] = []  # checked dense replies not yet in the sum
-        self._pending_bytes = 0  # their payloads: at most one float64 sum's worth waits
+        self._pending_bytes = 0  # their payloads: at most two float64 sums' worth wait (PENDING_SUMS)
         self._spent = False
         reducer = getattr(codec, "reducer", None)
         # scatter-add path: a selector whose dense form is "values at positions, zero elsewhere"
@@ -495,7 +500,7 @@ class Accumulator:
                 parts.append((self._offsets[self.layout.tensors[group[0]].name][0], idx, vals))
             ints = {self.layout.tensors[i].name: t for i, t in raw.items()}
         elif isinstance(codec, Codec):
-            got = codec.read_run(payload, self.layout, self.device) if self._runs else None
+            got = codec.read_run(payload, self.layout, self.device, sq_chunk=CHUNK) if self._runs else None
             if got is not None:  # every segment at once: compiled check and add
                 run, raw = got
                 update = Update([], {self.layout.tensors[i].name: t for i, t in raw.items()}, nbytes=len(payload),
@@ -563,12 +568,12 @@ class Accumulator:
         update.held = self._held(update) if update.parts else None
         if update.held is not None or self._batchable(update):
             self._pending.append((update, w))
-            # what waits: payloads up to one float64 sum's worth; decoded sparse replies (fresh
-            # memory, unlike payloads) up to half that: at a tenth kept, batches of about 4
-            # measured 2.9 read passes a reply against 3.4 for 7 (25M elements, 2026-11-23)
+            # what waits: payloads up to PENDING_SUMS float64 sums' worth; decoded sparse replies
+            # (fresh memory, unlike payloads) up to a quarter of that: at a tenth kept, batches of
+            # about 4 measured 2.9 read passes a reply against 3.4 for 7 (25M elements, 2026-11-23)
             held = 0 if update.held is None else sum(t.nbytes for t in update.held)
-            self._pending_bytes += 2 * held or update.nbytes
-            if len(self._pending) >= self.batch or self._pending_bytes >= 8 * self._numel:
+            self._pending_bytes += 2 * PENDING_SUMS * held or update.nbytes
+            if len(self._pending) >= self.batch or self._pending_bytes >= 8 * PENDING_SUMS * self._numel:
                 self.flush()
             return
         self.flush()  # what waits goes first: every element's additions stay in arrival order

@@ -338,27 +338,45 @@ class Codec:
         so a reply can be added to a sum without a dense copy of it."""
         return self._decode(payload, layout, torch.device(device), round, expand=None, lazy=lazy)
 
-    def read_run(self, payload: bytes, layout: Layout, device: torch.device | str = "cpu"):
+    def read_run(self, payload: bytes, layout: Layout, device: torch.device | str = "cpu", *,
+                 sq_chunk: int | None = None):
         """Read and length-check a whole payload of a quantizer that reads runs
         (:class:`fedcomp.quantizers.RunReply`: every segment at once, for the server's compiled
         check and add), or None where this codec, device or machine reads segment by segment
         (:meth:`decode_parts`). Returns ``(run, {position: raw tensor})``; raises
-        :class:`DecodeError` as :meth:`decode` does."""
+        :class:`DecodeError` as :meth:`decode` does.
+
+        ``sq_chunk``: also compute the run's sums of squares (``run.sq(sq_chunk)``) here, where
+        the quantizer can while it checksums the payload (raw values: one read of the values
+        from memory instead of two); the checksum is verified before this returns, either way."""
         device = torch.device(device)
         q = self.quantizer
         if self.reducer is not None or device.type != "cpu" or getattr(q, "read_run", None) is None \
                 or not runs(q, kernels.get()):
             return None
         check_decodable(layout)
-        src, _ = open_payload(payload, layout.fingerprint(), self.fingerprint, tuple(range(1, self.wire_version + 1)))
-        ns = np.array([t.numel for t in layout.tensors if t.is_float], dtype=np.int64)
-        sizes = np.fromiter((q.nbytes(n) for n in ns.tolist()), dtype=np.int64, count=ns.shape[0])
-        offs = np.zeros(ns.shape[0], dtype=np.int64)
-        np.cumsum(sizes[:-1], out=offs[1:])
-        body = src.take(int(sizes.sum())).numpy()
-        raw = {i: src.tensor(spec.numel, spec.torch_dtype) for i, spec in enumerate(layout.tensors) if not spec.is_float}
-        src.finish()
-        return q.read_run(body, ns, offs, (self, payload, layout, device)), raw
+        fused = None
+        if sq_chunk is not None and getattr(q, "crc_sq", None) is not None:
+            fused = kernels.crc32_function()
+        versions = tuple(range(1, self.wire_version + 1))
+        try:
+            src, _ = open_payload(payload, layout.fingerprint(), self.fingerprint, versions, check_crc=fused is None)
+            ns = np.array([t.numel for t in layout.tensors if t.is_float], dtype=np.int64)
+            sizes = np.fromiter((q.nbytes(n) for n in ns.tolist()), dtype=np.int64, count=ns.shape[0])
+            offs = np.zeros(ns.shape[0], dtype=np.int64)
+            np.cumsum(sizes[:-1], out=offs[1:])
+            body = src.take(int(sizes.sum())).numpy()
+            raw = {i: src.tensor(spec.numel, spec.torch_dtype) for i, spec in enumerate(layout.tensors)
+                   if not spec.is_float}
+            src.finish()
+            run = q.read_run(body, ns, offs, (self, payload, layout, device))
+        except DecodeError:
+            if fused is not None:  # what is wrong with a corrupted payload is its checksum
+                open_payload(payload, layout.fingerprint(), self.fingerprint, versions)
+            raise
+        if fused is not None:
+            q.crc_sq(run, sq_chunk, fused, payload)
+        return run, raw
 
     def expand(self, values: list[torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
         """Dense tensors from per-segment values (e.g. a sum of sketches)."""

@@ -86,3 +86,35 @@ def scratch(n: int, dtype) -> np.ndarray:
     if buf is None or buf.shape[0] < n:
         buf = bufs[key] = np.empty(max(n, 1 << 20), dtype=dtype)
     return buf[:n]
+
+
+_CRC32_FUNCTION: list = []  # [address or None], resolved once
+
+
+def crc32_function() -> int | None:
+    """The address of ISA-L's ``crc32_gzip_refl`` (``uint32 f(uint32 crc, const uint8 *buf,
+    uint64 len)``: zlib's ``crc32(buf, crc)``, as :mod:`fedcomp.wire` computes it), for compiled
+    loops that checksum what they read (``_numba_kernels.raw_crc_sq_run``); None where ``isal``'s
+    module does not export it (then callers checksum in a pass of their own). Checked once
+    against zlib on a few lengths before it is used."""
+    if not _CRC32_FUNCTION:
+        _CRC32_FUNCTION.append(_resolve_crc32())
+    return _CRC32_FUNCTION[0]
+
+
+def _resolve_crc32() -> int | None:
+    import ctypes
+    import zlib
+
+    try:
+        from isal import isal_zlib
+
+        fn = ctypes.CDLL(isal_zlib.__file__).crc32_gzip_refl
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_uint32, (ctypes.c_uint32, ctypes.c_char_p, ctypes.c_uint64)
+    data = bytes(range(256)) * 5
+    for n in (0, 1, 7, 64, 1000, len(data) - 3):
+        if fn(zlib.crc32(data[:3]), data[3:3 + n], n) != zlib.crc32(data[:3 + n]):
+            return None
+    return ctypes.cast(fn, ctypes.c_void_p).value

@@ -16,7 +16,7 @@ from fedcomp import kernels, uniforms
 from fedcomp.base import Knob, Quantizer, block_size, blocks, register
 from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits, unpack_codes, unpack_flags
 from fedcomp.errors import DecodeError
-from fedcomp.wire import Reader, Writer
+from fedcomp.wire import CHECKSUM_MISMATCH, HEADER_BYTES, TRAILER_BYTES, Reader, Writer, crc32
 
 _FP16_MAX = 65504.0
 CODINGS = ("packed", "ans")  # how kbit/qsgd codes travel: fixed width, or entropy coded (fedcomp.entropy)
@@ -472,9 +472,13 @@ class RunReply:
         self.read = read
         self.address = body.ctypes.data
 
+    sums: tuple[int, np.ndarray] | None = None  # (chunk, sq(chunk)) computed while reading (Codec.read_run)
+
     def sq(self, chunk: int) -> np.ndarray:
         """Per segment, the sum of squares of its values (float64; inf or NaN where one is not
         finite), ``chunk`` elements at a time from the segment's start (the per-segment sums)."""
+        if self.sums is not None and self.sums[0] == chunk:
+            return self.sums[1]
         return self.quantizer._run_sq(kernels.get(), self, chunk)
 
 
@@ -545,6 +549,20 @@ class _RawRuns:
         out = np.empty(run.ns.shape[0], dtype=np.float64)
         k.raw_sq_run(run.body, run.coffs, run.ns, self._raw_kind, chunk, out)
         return out
+
+    def crc_sq(self, run: RunReply, chunk: int, fn: int, payload: bytes) -> None:
+        """Verify the payload's CRC32 and compute ``run.sq(chunk)`` in one read of the values
+        (``_numba_kernels.raw_crc_sq_run``: each chunk checksummed, then summed from cache; ``fn``:
+        :func:`fedcomp.kernels.crc32_function`); :class:`DecodeError` on a checksum mismatch.
+        The header and what follows the values (integer tensors) are checksummed here."""
+        view = memoryview(payload).cast("B")
+        out = np.empty(run.ns.shape[0], dtype=np.float64)
+        crc, end = kernels.get().raw_crc_sq_run(run.body, run.coffs, run.ns, self._raw_kind, chunk, fn,
+                                                np.uint32(crc32(view[:HEADER_BYTES])), out)
+        crc = crc32(view[HEADER_BYTES + end:-TRAILER_BYTES], int(crc))
+        if crc != int.from_bytes(view[-TRAILER_BYTES:], "little"):
+            raise DecodeError(CHECKSUM_MISMATCH)
+        run.sums = (chunk, out)
 
     def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
         k.raw_add_runs(np.array([r.address for r in runs], dtype=np.int64), runs[0].coffs, runs[0].ns, self._raw_kind,

@@ -280,12 +280,18 @@ class Writer:
         return data
 
 
+CHECKSUM_MISMATCH = "payload checksum mismatch: truncated or corrupted in transit"
+
+
 def open_payload(
-    data: bytes, layout_fp: bytes, codec_fp: int, versions: tuple[int, ...] = (VERSION,)
+    data: bytes, layout_fp: bytes, codec_fp: int, versions: tuple[int, ...] = (VERSION,), *, check_crc: bool = True
 ) -> tuple["Reader", int]:
     """Check magic, version, CRC and fingerprints; return a reader over the body and the nonce.
 
     The reader's :attr:`Reader.version` is the payload's format version (one of ``versions``).
+    ``check_crc=False`` leaves the CRC to the caller, who checksums the bytes as it reads them
+    (:func:`payload_crc` for the parts it does not read) and must refuse the payload
+    (:data:`CHECKSUM_MISMATCH`) before anything it read is used.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise DecodeError(f"payload must be bytes, got {type(data).__name__}")
@@ -302,8 +308,8 @@ def open_payload(
         readable = ", ".join(str(v) for v in versions)
         raise DecodeError(f"payload format version {version}, this decoder reads version {readable}")
     (crc,) = _U32.unpack_from(view, len(view) - 4)
-    if crc32(view[:-4]) != crc:
-        raise DecodeError("payload checksum mismatch: truncated or corrupted in transit")
+    if check_crc and crc32(view[:-4]) != crc:
+        raise DecodeError(CHECKSUM_MISMATCH)
     if flags != 0:
         raise DecodeError(f"unknown payload flags {flags:#x}")
     if lfp != layout_fp:

@@ -72,7 +72,7 @@ def _sum(codec, payloads, batch, runs_on, monkeypatch):
     acc = aggregate.Accumulator(codec, layout, batch=batch)
     with monkeypatch.context() as m:
         if not runs_on:
-            m.setattr(type(codec), "read_run", lambda *a: None)
+            m.setattr(type(codec), "read_run", lambda *a, **kw: None)
         norms = []
         for p, w in zip(payloads, WEIGHTS):
             update = acc.decode(p, round=1)
@@ -173,3 +173,68 @@ def test_sparse_positions_out_of_order_are_sorted_before_they_wait():
     assert got_pos.tolist() == [1, 1, 5, 9] and got_vals.tolist() == [2.0, 4.0, 1.0, 3.0]
     same = torch.arange(4)
     assert aggregate._ascending(same, vals)[0] is same
+
+
+# -- raw replies: the checksum taken while the values are summed (Codec.read_run(sq_chunk=...)) --
+def _big_model(seed: int) -> dict[str, torch.Tensor]:
+    from fedcomp import _numba_kernels as k
+
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(71, 47, generator=g), "one": torch.randn(1, generator=g),
+            "big": torch.randn(2 * k.SQ_PART + 1001, generator=g),  # several parts of a sum, a ragged last one
+            "n": torch.tensor([seed, 3]), "b": torch.randn(5, generator=g)}
+
+
+@pytest.mark.parametrize("spec", ["none()", "fp16()", "bf16()"])
+def test_a_raw_reply_is_checksummed_while_it_is_summed(spec, monkeypatch):
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    assert kernels.crc32_function() is not None  # isal is a dependency: the fused check runs
+    codec = fedcomp.build_codec(spec)
+    layout = fedcomp.Layout.of(_big_model(0))
+    payload = codec.encode(_big_model(1), nonce=1).payload
+    chunk = 300_000  # a chunk of the norm holds parts of SQ_PART values and a ragged one
+    run, _ = codec.read_run(payload, layout, sq_chunk=chunk)
+    assert run.sums is not None and run.sums[0] == chunk
+    separate = codec.read_run(payload, layout)[0]
+    assert separate.sums is None
+    assert run.sq(chunk).tolist() == separate.sq(chunk).tolist()  # the same sums, bit for bit
+    monkeypatch.setattr(aggregate, "CHUNK", chunk)
+    acc = aggregate.Accumulator(codec, layout)
+    acc.add(payload, 2)
+    before = acc.sum()
+    norm = acc.decode(payload).norm()
+    with monkeypatch.context() as m:  # the per-segment path's norm: the same bits
+        m.setattr(type(codec), "read_run", lambda *a, **kw: None)
+        assert acc.decode(payload).norm() == norm
+    with monkeypatch.context() as m:  # no compiled checksum: a pass of its own, the same result
+        m.setattr(kernels, "crc32_function", lambda: None)
+        assert acc.decode(payload).norm() == norm
+    header, value, ints = 17, len(payload) // 2, len(payload) - 4 - 16 + 3  # nonce, a value of "big", "n"
+    for at in (5, header, value, ints, len(payload) - 2):  # a fingerprint, the nonce, values, ints, the CRC
+        bad = bytearray(payload)
+        bad[at] ^= 0x10
+        with pytest.raises(fedcomp.DecodeError, match="checksum"):
+            acc.add(bytes(bad), 1)
+    for cut in (payload[:-5], payload[:100], payload[:-4 - 40] + payload[-4:]):
+        with pytest.raises(fedcomp.DecodeError, match="checksum"):
+            acc.add(cut, 1)
+    after = acc.sum()
+    assert acc.count == 1 and all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_the_fused_checksum_covers_bytes_between_segments():
+    import numpy as np
+
+    from fedcomp import _numba_kernels as k
+
+    rng = np.random.default_rng(0)
+    body = rng.standard_normal(700_000).astype(np.float32).view(np.uint8)
+    ns = np.array([10, 0, 600_000, 3], dtype=np.int64)
+    coffs = np.array([8, 48, 52, 4 * 600_000 + 60], dtype=np.int64)  # gaps before the first and third
+    out, ref = np.empty(4), np.empty(4)
+    fn = kernels.crc32_function()
+    crc, end = k.raw_crc_sq_run(body, coffs, ns, 0, 250_000, fn, np.uint32(zlib.crc32(b"head")), out)
+    assert end == coffs[-1] + 12
+    assert crc == zlib.crc32(body[:end].tobytes(), zlib.crc32(b"head"))
+    k.raw_sq_run(body, coffs, ns, 0, 250_000, ref)
+    assert out.tolist() == ref.tolist()
