@@ -27,7 +27,7 @@ from fedcomp.pieces import Pieces
 from fedcomp import kernels
 from fedcomp.quantizers import read_values, runs, write_run, write_values
 from fedcomp.spec import parse_spec
-from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, open_payload
+from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, header, open_payload
 
 _MASK64 = (1 << 64) - 1
 
@@ -214,7 +214,8 @@ class Codec:
         device = values[0].device if values else torch.device("cpu")
         ctx = StageContext(nonce & _MASK64, round, state)
         segments = self.segments(layout)
-        out = Writer(device, self._dense_size(layout, segments))
+        out = Writer(device, self._dense_size(layout, segments),
+                     head=header(layout.fingerprint(), self.fingerprint, ctx.nonce, self.wire_version))
         sparse = self._sparse_expand
         kept_values: dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None = {} if sparse else None
         kept, side_bytes = [], []

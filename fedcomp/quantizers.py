@@ -447,11 +447,18 @@ def write_run(quantizer: Quantizer, xs: list[torch.Tensor], out: Writer, gen) ->
     ptrs = np.fromiter((x.data_ptr() for x in xs), dtype=np.int64, count=len(xs))
     ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
     ok = np.zeros(len(xs), dtype=np.bool_)
-    quantizer._run(k, xs, gen, ptrs, ns, offs, region, ok)
+    crc = out.crc_before(place) if getattr(quantizer, "_run_crc", None) is not None else None
+    fn = None if crc is None else kernels.crc32_function()
+    if fn is not None:  # the payload's CRC continued over each part as it is written, from cache
+        crc = quantizer._run_crc(k, ptrs, ns, offs, region, ok, fn, crc)
+    else:
+        quantizer._run(k, xs, gen, ptrs, ns, offs, region, ok)
     for i in np.flatnonzero(~ok).tolist():
         alone = Writer(xs[i].device)
         write_values(quantizer, xs[i], alone, gen(i))
         region[offs[i]:offs[i] + sizes[i]] = np.frombuffer(alone.body(), dtype=np.uint8)
+    if fn is not None and ok.all():
+        out.checksummed(place, crc)
     out.tensor(place)
 
 
@@ -682,6 +689,14 @@ class _HalfFloat(_RawRuns, Quantizer):
         """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.half_run`)."""
         k.half_run(ptrs, ns, self.dtype == torch.bfloat16, np.float32(_FP16_MAX), offs, region)
         ok[:] = True
+
+    def _run_crc(self, k, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
+        """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it writes, part by part
+        while each is in cache (:func:`fedcomp._numba_kernels.half_run_crc`); returns the CRC."""
+        crc = k.half_run_crc(ptrs, ns, self.dtype == torch.bfloat16, np.float32(_FP16_MAX), offs, region, fn,
+                             np.uint32(crc))
+        ok[:] = True
+        return int(crc)
 
     def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
         """:meth:`encode`'s bytes: one output tensor, clamped and converted chunk by chunk."""

@@ -151,7 +151,7 @@ class Writer:
     produce the same bytes.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", size: int | None = None) -> None:
+    def __init__(self, device: torch.device | str = "cpu", size: int | None = None, head: bytes | None = None) -> None:
         self.device = torch.device(device)
         self.parts: list[torch.Tensor | bytes] = []  # not yet flushed (uint8 tensors or bytes)
         self.host: list[torch.Tensor | bytes] = []  # flushed (CPU tensors, pinned on CUDA, or bytes)
@@ -160,6 +160,13 @@ class Writer:
         # payload is then allocated up front, and :meth:`empty` hands out its body in order
         self._payload = _fresh_bytes(size) if size is not None and size >= HUGE and self.device.type == "cpu" else None
         self._cursor = HEADER_BYTES
+        # ``head``: the header getvalue() will be given, where the caller knows it; then the
+        # payload's CRC can be taken as its body is written (crc_before / checksummed)
+        self._head = head
+        self._crc: tuple[int, int] | None = None  # (n, CRC32 of the payload's first n bytes)
+        if self._payload is not None and head is not None and len(head) == HEADER_BYTES:
+            self._payload[1][:HEADER_BYTES] = np.frombuffer(head, dtype=np.uint8)
+            self._crc = (HEADER_BYTES, crc32(head))
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
         """A buffer for the next body part, which the caller fills and then appends with
@@ -179,6 +186,22 @@ class Writer:
         if device.type != "cpu" or n == 0:
             return torch.empty(shape, dtype=dtype, device=device)
         return host_empty(shape, dtype)
+
+    def crc_before(self, place: torch.Tensor) -> int | None:
+        """The CRC32 of the payload up to ``place`` (a buffer :meth:`empty` handed out), where
+        everything before it is checksummed already (:meth:`checksummed`); else None. A caller
+        that fills ``place`` can continue it over the bytes it writes, while they are in cache,
+        instead of the writer reading the whole payload again at the end."""
+        if self._crc is None or self._payload is None or place.device.type != "cpu":
+            return None
+        n, crc = self._crc
+        return crc if place.data_ptr() == self._payload[1].ctypes.data + n else None
+
+    def checksummed(self, place: torch.Tensor, crc: int) -> None:
+        """Record that the payload up to the end of ``place`` (filled, never written again) has
+        CRC32 ``crc`` (continued from :meth:`crc_before`)."""
+        if self.crc_before(place) is not None:
+            self._crc = (place.data_ptr() + place.numel() - self._payload[1].ctypes.data, int(crc))
 
     @property
     def nbytes(self) -> int:
@@ -241,7 +264,7 @@ class Writer:
             self.parts.append(t.contiguous().reshape(-1).view(torch.uint8).to(self.device))
 
     def getvalue(self, layout_fp: bytes, codec_fp: int, nonce: int, version: int = VERSION) -> bytes:
-        head = HEADER.pack(MAGIC, version, 0, layout_fp, codec_fp, nonce)
+        head = header(layout_fp, codec_fp, nonce, version)
         self.flush()
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
@@ -276,11 +299,20 @@ class Writer:
         for at, p in copies:
             v = np.frombuffer(p if isinstance(p, bytes) else _host_view(p.cpu()), dtype=np.uint8)
             buf[at:at + v.shape[0]] = v
-        buf[-TRAILER_BYTES:] = np.frombuffer(_U32.pack(crc32(buf[:-TRAILER_BYTES])), dtype=np.uint8)
+        # the CRC taken while the body was written, where the header is the one announced and no
+        # part was copied into the checksummed bytes; the rest of the payload is read here
+        done, crc = (0, 0) if self._crc is None or head != self._head or any(at < self._crc[0] for at, _ in copies) \
+            else self._crc
+        buf[-TRAILER_BYTES:] = np.frombuffer(_U32.pack(crc32(buf[done:-TRAILER_BYTES], crc)), dtype=np.uint8)
         return data
 
 
 CHECKSUM_MISMATCH = "payload checksum mismatch: truncated or corrupted in transit"
+
+
+def header(layout_fp: bytes, codec_fp: int, nonce: int, version: int = VERSION) -> bytes:
+    """A payload's first HEADER_BYTES bytes."""
+    return HEADER.pack(MAGIC, version, 0, layout_fp, codec_fp, nonce)
 
 
 def open_payload(

@@ -238,3 +238,51 @@ def test_the_fused_checksum_covers_bytes_between_segments():
     assert crc == zlib.crc32(body[:end].tobytes(), zlib.crc32(b"head"))
     k.raw_sq_run(body, coffs, ns, 0, 250_000, ref)
     assert out.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("spec", ["fp16()", "bf16()"])
+def test_a_half_payload_is_checksummed_as_it_is_written(spec, monkeypatch):
+    """The writer's CRC is continued over each part as it is converted: the payload's last read
+    covers only what follows the values (the raw integer tensors), and the bytes are the same."""
+    from fedcomp import wire
+
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    codec = fedcomp.build_codec(spec)
+    g = torch.Generator().manual_seed(3)  # a payload built in place (wire.HUGE: 4 MB)
+    model = {"w": torch.randn(71, 47, generator=g), "big": torch.randn(2_200_001, generator=g), "n": torch.tensor([1, 3]),
+             "b": torch.randn(5, generator=g)}
+    payload = codec.encode(model, nonce=4).payload
+    read = []
+    real = wire.crc32
+    monkeypatch.setattr(wire, "crc32", lambda data, crc=0: read.append(len(data)) or real(data, crc))
+    assert codec.encode(model, nonce=4).payload == payload
+    assert sum(read) < 100  # the header, and the tail after the values
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "crc32_function", lambda: None)  # a pass of its own at the end: the same bytes
+        assert codec.encode(model, nonce=4).payload == payload
+    assert sum(read) > len(payload) - 100
+    assert zlib.crc32(payload[:-4]) == int.from_bytes(payload[-4:], "little")
+
+
+def test_a_writer_checksums_the_whole_payload_where_a_part_lands_in_checksummed_bytes():
+    from fedcomp import wire
+
+    head = wire.header(b"L" * 8, 7, 9)
+    out = wire.Writer(size=wire.HUGE + 28, head=head)
+    first = out.empty(1000, torch.uint8)
+    assert out.crc_before(first) == zlib.crc32(head)
+    first.fill_(3)
+    out.checksummed(first, zlib.crc32(first.numpy().tobytes(), zlib.crc32(head)))
+    rest = out.empty(wire.HUGE - 1000, torch.uint8)
+    assert out.crc_before(rest) is not None and out.crc_before(first) is None
+    first.fill_(5)  # written again after it was checksummed: the writer cannot know, so ...
+    out.tensor(rest.fill_(1))
+    out.tensor(first)  # ... this test appends out of order, which the writer copies: whole CRC
+    payload = out.getvalue(b"L" * 8, 7, 9)
+    assert zlib.crc32(payload[:-4]) == int.from_bytes(payload[-4:], "little")
+    other = wire.Writer(size=wire.HUGE + 28, head=head)
+    part = other.empty(wire.HUGE, torch.uint8).fill_(2)
+    other.checksummed(part, 12345)  # a wrong CRC, but the header given to getvalue differs: recomputed
+    other.tensor(part)
+    payload = other.getvalue(b"M" * 8, 7, 9)
+    assert zlib.crc32(payload[:-4]) == int.from_bytes(payload[-4:], "little")
