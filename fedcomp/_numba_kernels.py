@@ -1124,6 +1124,16 @@ def tern_stats(x, block, qbits, sums, amax, s1, s2, ks):
     return True
 
 
+@njit(cache=True, nogil=True)
+def tern_stats_run(ptrs, ns, block, qbits, clips, b0, amax, s1, s2, ks, ok):
+    """:func:`tern_stats` of every segment i of a run, its blocks at [b0[i], b0[i + 1]) of the
+    outputs (the sums only where clips[i]); ok[i] False where a value is not finite."""
+    for i in range(ptrs.shape[0]):
+        a = b0[i]
+        e = b0[i + 1]
+        ok[i] = tern_stats(_segment(ptrs, ns, i), block, qbits, clips[i], amax[a:e], s1[a:e], s2[a:e], ks[a:e])
+
+
 SIGN_TILE = 16384  # elements whose sign bits are packed at once (their flags still in cache)
 
 
