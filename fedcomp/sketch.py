@@ -46,6 +46,10 @@ from fedcomp.wire import Reader, Writer, host_empty
 
 HASH_CACHE = 1 << 21  # hash entries (rows x elements) kept as tables; larger segments regenerate them
 HASH_CHUNK = 1 << 18  # hash entries per regenerated chunk (temporaries of about 4 MB)
+# ... on a GPU (format 2): ~15 torch ops per row and chunk are each a kernel launch, so chunks of
+# HASH_CHUNK made `rows=5` at 25M 763 chunks, launch-bound (703 ms on an H200, 2026-11-26); this
+# many entries a chunk is ~50 MB of temporaries and 16x fewer launches
+DEVICE_HASH_CHUNK = 1 << 22
 # estimates ranked per torch.topk call when unsketching (its scratch: 16 bytes an estimate); every
 # model of the project's tasks (up to 1.2M floats) is one chunk, as before chunking
 SELECT_CHUNK = 1 << 21
@@ -210,7 +214,8 @@ class CountSketch(Reducer):
     def _counter_chunks(self, n: int, device: torch.device, lo: int, hi: int):
         """Format 2's cells and signs (torch int32 ops, on ``device``), chunk by chunk."""
         rows, cols = self.rows, self.cols(n)
-        step = self._block()
+        per = HASH_CHUNK if device.type == "cpu" else DEVICE_HASH_CHUNK
+        step = 1 << max(0, (per // rows).bit_length() - 1)  # the cells of any chunking are the same
         keys = self._row_keys(n)
         work = torch.empty(2 * max(1, min(step, hi - lo)), dtype=torch.int32, device=device)
         for a in range(lo, hi, step):

@@ -166,6 +166,21 @@ def test_regenerated_hashes_equal_tables(rows, monkeypatch):
     assert torch.equal(regen.estimate(cached_table, 1000), cached_est)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_counter_hashes_give_the_same_sketch_in_any_chunking(rows, monkeypatch):
+    """Format 2's cells and signs are functions of the position, so a GPU's larger chunks
+    (sketch.DEVICE_HASH_CHUNK) sketch and estimate what the CPU's do (the torch path here)."""
+    monkeypatch.setenv("FEDCOMP_KERNELS", "0")
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(rows))
+    cs = CountSketch(CountSketch.Config(rows=rows, cols=300, seed=4))
+    table = cs.sketch(x)
+    est = cs.estimate(table, 5000)
+    for chunk in (64, 5 * 4096, sketch.DEVICE_HASH_CHUNK):
+        monkeypatch.setattr(sketch, "HASH_CHUNK", chunk)
+        assert torch.equal(cs.sketch(x), table)  # each cell adds its elements in index order
+        assert torch.equal(cs.estimate(table, 5000), est)
+
+
 def test_chunked_top_k_keeps_the_largest(monkeypatch):
     cs = CountSketch(CountSketch.Config(rows=3, cols=400, ratio=0.02, seed=4))
     x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
