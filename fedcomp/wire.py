@@ -322,8 +322,9 @@ def open_payload(
 
     The reader's :attr:`Reader.version` is the payload's format version (one of ``versions``).
     ``check_crc=False`` leaves the CRC to the caller, who checksums the bytes as it reads them
-    (:func:`payload_crc` for the parts it does not read) and must refuse the payload
-    (:data:`CHECKSUM_MISMATCH`) before anything it read is used.
+    (:func:`crc32` for the parts it does not read: the header, the tail) and must refuse the
+    payload (:data:`CHECKSUM_MISMATCH`) before anything it read is used
+    (:meth:`fedcomp.Codec.read_run` with ``sq_chunk``).
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise DecodeError(f"payload must be bytes, got {type(data).__name__}")
