@@ -514,6 +514,39 @@ def lut_u16(bits16, table, out):
 
 
 @njit(cache=True, nogil=True)
+def lowrank_sq(p, q, r):
+    """(sum((P^T P) * (Q^T Q)), max |P|, max |Q|, all finite) for P (n x r) and Q (m x r) fp32,
+    row-major and flat: ||P Q^T||_F^2 from the r x r Gram matrices in float64, in a fixed order
+    (PowerSGD's check at the server: ``powersgd.PowerSGD.sq_all``; torch ops cost ~35 us a tensor)."""
+    gp = np.zeros((r, r))
+    gq = np.zeros((r, r))
+    top_p = 0.0
+    top_q = 0.0
+    finite = True
+    for f in range(2):
+        v = p if f == 0 else q
+        g = gp if f == 0 else gq
+        top = 0.0
+        for i in range(v.shape[0] // r):
+            for a in range(r):
+                x = np.float64(v[i * r + a])
+                if not np.isfinite(x):
+                    finite = False
+                top = max(top, abs(x))
+                for b in range(r):
+                    g[a, b] += x * np.float64(v[i * r + b])
+        if f == 0:
+            top_p = top
+        else:
+            top_q = top
+    total = 0.0
+    for a in range(r):
+        for b in range(r):
+            total += gp[a, b] * gq[a, b]
+    return total, top_p, top_q, finite
+
+
+@njit(cache=True, nogil=True)
 def lowrank(p, qt, r, m, lo, hi, out, s, w, add):
     """Elements [lo, hi) of P Q^T (n x m, row-major), summed rank-1 term by term in order with
     each product and sum rounded to fp32 (powersgd.reconstruct). ``p``: P flat (n * r, row-major),

@@ -277,6 +277,12 @@ class PowerSGD(Reducer):
         n, m, r = f
         if (lo, hi) != (0, n * m):
             return None
+        if values.device.type == "cpu" and (k := kernels.get()) is not None:  # one compiled call
+            total, top_p, top_q, finite = k.lowrank_sq(values[: n * r].numpy(), values[n * r:].numpy(), r)
+            bound = r * top_p * top_q
+            if not finite or not math.isfinite(bound):
+                return math.nan
+            return None if bound > 2.0 ** 127 else float(total)
         p = values[: n * r].view(n, r).double()
         q = values[n * r:].view(m, r).double()
         bound = r * float(p.abs().max()) * float(q.abs().max())

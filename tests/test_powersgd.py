@@ -340,3 +340,31 @@ def test_cuda_encode_decodes_like_cpu(spec):
         for name in tensors:
             assert torch.equal(on_gpu[name].cpu(), on_cpu[name]), name
         assert codec.size_bytes(layout) == len(enc.payload)
+
+
+def test_the_check_from_factors_is_the_same_compiled_or_in_torch_ops(monkeypatch):
+    """``sq_all`` (the server's norm of a factored segment) in one compiled call equals the torch
+    ops' Gram-matrix form to rounding, and both refuse what they refused before: NaN for a factor
+    not finite, None (build the values) for a range or a product that may overflow fp32."""
+    from fedcomp import kernels
+    from fedcomp.base import Segment
+
+    if kernels.get() is None:
+        pytest.skip("numba not installed")
+    codec = fedcomp.build_codec("powersgd(rank=3,min_compression=0)")
+    red = codec.reducer
+    seg = codec.segments(fedcomp.Layout.of({"w": torch.zeros(40, 30)}))[0][0]
+    assert isinstance(seg, Segment) and red.factors(seg) == (40, 30, 3)
+    g = torch.Generator().manual_seed(2)
+    cases = {"plain": torch.randn(210, generator=g), "big": torch.randn(210, generator=g) * 1e30}
+    cases["inf"], cases["nan"] = cases["plain"].clone(), cases["plain"].clone()
+    cases["inf"][7], cases["nan"][150] = float("inf"), float("nan")
+    got = {name: red.sq_all(v, None, seg, 0, 1200) for name, v in cases.items()}
+    assert red.sq_all(cases["plain"], None, seg, 0, 600) is None
+    monkeypatch.setattr(kernels, "get", lambda: None)
+    want = {name: red.sq_all(v, None, seg, 0, 1200) for name, v in cases.items()}
+    assert got["plain"] == pytest.approx(want["plain"], rel=1e-12)
+    assert got["big"] is None and want["big"] is None
+    assert math.isnan(got["inf"]) and math.isnan(want["inf"]) and math.isnan(got["nan"]) and math.isnan(want["nan"])
+    dense = red.expand(cases["plain"], None, seg).double()
+    assert got["plain"] == pytest.approx(float((dense * dense).sum()), rel=1e-6)
