@@ -93,3 +93,28 @@ def test_a_large_join_is_the_join():
     parts = [b"head", memoryview(torch.arange(3 << 20, dtype=torch.int32).numpy()).cast("B"), b"", b"tail"]
     joined = wire.join(parts)
     assert type(joined) is bytes and joined == b"".join(parts)
+
+
+@pytest.mark.parametrize("spec", ["none()", "fp16()", "bf16()"])
+def test_large_decodes_are_fresh_copies_with_the_values_of_torch_conversions(spec):
+    """Decoded tensors of a large payload are built in buffers of their own (huge pages,
+    ``wire.host_empty``): writable, apart from the payload, with the values torch's conversion
+    gives (every fp16 / bf16 pattern class: normals, subnormals, +-0, +-inf)."""
+    from fedcomp.aggregate import apply_step
+
+    codec = fedcomp.build_codec(spec)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3_000_001, generator=g) * torch.logspace(-30, 30, 3_000_001)
+    x[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-7, -6e-8])
+    update = {"w": x}
+    layout = fedcomp.Layout.of(update)
+    payload = codec.encode(update, nonce=1).payload
+    got = codec.decode(payload, layout)["w"]
+    dtype = {"none()": torch.float32, "fp16()": torch.float16, "bf16()": torch.bfloat16}[spec]
+    want = x.clamp(-65504, 65504).to(dtype).float() if spec == "fp16()" else x.to(dtype).float()
+    assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    before = bytes(payload)
+    got.mul_(2)  # a copy: the payload is untouched
+    assert payload == before and codec.decode(payload, layout)["w"].view(torch.int32).equal(want.view(torch.int32))
+    stepped = apply_step(update, {"w": want})["w"]  # chunked, into a fresh huge-page buffer
+    assert torch.equal(stepped, x + want) and stepped.shape == x.shape
