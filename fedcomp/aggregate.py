@@ -55,7 +55,7 @@ from fedcomp import kernels
 from fedcomp.base import Selector
 from fedcomp.codec import Codec
 from fedcomp.errors import DecodeError, FedcompError
-from fedcomp.wire import host_empty
+from fedcomp.wire import MMAPPED, host_empty
 
 CHUNK = 1 << 20  # elements per step of chunked loops: temporaries of 8 MB at most
 BATCH = 8  # replies whose fused adds share one pass over the float64 sum (Accumulator(batch=...))
@@ -96,7 +96,7 @@ def _apply_one(r: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     if r.numel() <= APPLY_CHUNK:
         return (r.to(wide) + s.to(r.device, wide)).to(r.dtype)
     # on the CPU in huge pages (a fresh 100 MB torch tensor faults 25,600 4 kB pages, ~2 read passes)
-    out = host_empty(r.numel(), r.dtype).view(r.shape) if r.device.type == "cpu" \
+    out = host_empty(r.numel(), r.dtype, MMAPPED).view(r.shape) if r.device.type == "cpu" \
         else torch.empty_like(r, memory_format=torch.contiguous_format)
     rf, sf, of = r.reshape(-1), s.reshape(-1), out.view(-1)
     for i in range(0, rf.numel(), APPLY_CHUNK):  # elementwise: the same bits in any chunks

@@ -16,7 +16,7 @@ from fedcomp import kernels, uniforms
 from fedcomp.base import Knob, Quantizer, block_size, blocks, register
 from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits, unpack_codes, unpack_flags
 from fedcomp.errors import DecodeError
-from fedcomp.wire import CHECKSUM_MISMATCH, HEADER_BYTES, TRAILER_BYTES, Reader, Writer, crc32, host_empty
+from fedcomp.wire import CHECKSUM_MISMATCH, HEADER_BYTES, MMAPPED, TRAILER_BYTES, Reader, Writer, crc32, host_empty
 
 _FP16_MAX = 65504.0
 CODINGS = ("packed", "ans")  # how kbit/qsgd codes travel: fixed width, or entropy coded (fedcomp.entropy)
@@ -305,8 +305,8 @@ class Values:
         m = self.numel
         if m <= self.step():
             return self._build(0, m) if m else torch.empty(0, device=self.device)
-        # on the CPU in huge pages where large: a fresh 100 MB torch tensor faults 25,600 4 kB pages
-        y = host_empty(m, torch.float32) if self.device.type == "cpu" else torch.empty(m, device=self.device)
+        # on the CPU in huge pages where large (wire.MMAPPED): a fresh 100 MB torch tensor faults 25,600 4 kB pages
+        y = host_empty(m, torch.float32, MMAPPED) if self.device.type == "cpu" else torch.empty(m, device=self.device)
         for lo in range(0, m, self.step()):
             hi = min(m, lo + self.step())
             if self._into is not None:
