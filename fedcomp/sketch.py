@@ -42,7 +42,7 @@ import torch
 from fedcomp import uniforms
 from fedcomp.base import REGISTRY, Knob, Reducer, Segment, StageContext, register
 from fedcomp.quantizers import _encode_kernels
-from fedcomp.wire import Reader, Writer, host_empty
+from fedcomp.wire import Reader, Writer, host_empty, host_zeros
 
 HASH_CACHE = 1 << 21  # hash entries (rows x elements) kept as tables; larger segments regenerate them
 HASH_CHUNK = 1 << 18  # hash entries per regenerated chunk (temporaries of about 4 MB)
@@ -291,7 +291,7 @@ class CountSketch(Reducer):
     def heavy_hitters(self, table: torch.Tensor, n: int, k: int | None = None, version: int = 2) -> torch.Tensor:
         """Dense vector holding the k largest estimates (others zero)."""
         idx, val = self.top_entries(table, n, k, version)
-        y = torch.zeros(n, device=table.device)
+        y = host_zeros(n) if table.device.type == "cpu" else torch.zeros(n, device=table.device)
         y[idx] = val
         return y
 

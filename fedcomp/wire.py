@@ -142,6 +142,16 @@ def host_empty(shape, dtype: torch.dtype, at_least: int | None = None) -> torch.
     return torch.from_numpy(np.empty(n * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def host_zeros(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zero CPU buffer of n values; from numpy (calloc: fresh pages are zero already, nothing
+    is written until used) where it is MMAPPED bytes or more, else torch's. Why: ``torch.zeros``
+    of 100 MB writes every byte of freshly mapped memory (4 kB page faults, then the zeros): a
+    sparse decode at 25M (k values into zeros) took ~10 read passes, ~2.2 from numpy's."""
+    if n * dtype.itemsize < MMAPPED or dtype.is_complex:
+        return torch.zeros(n, dtype=dtype)
+    return torch.from_numpy(np.zeros(n * dtype.itemsize, dtype=np.uint8)).view(dtype)
+
+
 def _host_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous uint8 CPU tensor, without a copy."""
     return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")

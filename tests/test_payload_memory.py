@@ -118,3 +118,23 @@ def test_large_decodes_are_fresh_copies_with_the_values_of_torch_conversions(spe
     assert payload == before and codec.decode(payload, layout)["w"].view(torch.int32).equal(want.view(torch.int32))
     stepped = apply_step(update, {"w": want})["w"]  # chunked, into a fresh huge-page buffer
     assert torch.equal(stepped, x + want) and stepped.shape == x.shape
+
+
+def test_large_sparse_decodes_start_from_calloc_zeros():
+    """A sparse decode of a large segment builds its dense form in ``wire.host_zeros`` (numpy's
+    calloc: nothing written but the kept values): zero everywhere else, writable, and the same
+    tensors as small chunks of it would give."""
+    codec = fedcomp.build_codec("topk(ratio=0.001)+qsgd(bits=4)")
+    g = torch.Generator().manual_seed(6)
+    update = {"a": torch.randn(4_000_000, generator=g), "b": torch.randn(5_000_000, generator=g)}  # 36 MB together
+    layout = fedcomp.Layout.of(update)
+    enc = codec.encode(update, nonce=2)
+    got = codec.decode(enc.payload, layout)
+    flat = torch.cat([got["a"], got["b"]])
+    kept = flat != 0
+    assert int(kept.sum()) == 9000  # a global top-k of 0.1%: the rest stays zero
+    assert torch.equal(got["a"], enc.decoded["a"]) and torch.equal(got["b"], enc.decoded["b"])
+    got["a"].add_(1)  # writable, apart from the next decode
+    assert int((codec.decode(enc.payload, layout)["a"] != 0).sum()) == int(kept[:4_000_000].sum())
+    small = wire.host_zeros(10)
+    assert small.dtype == torch.float32 and not small.any()
