@@ -58,6 +58,7 @@ from fedcomp.broadcast import ResyncNeeded, apply_plan, parse_thresholds, refere
 from fedcomp.clients.budgeting import budgeted_upload
 from fedcomp.msgsize import message_bytes
 from fedcomp.clients.state import ClientState
+from fedcomp.wire import output_like
 
 ENCODE_HISTORY = 5  # recent encode times kept; the budget reserves the longest of them (x ENCODE_MARGIN)
 ENCODE_MARGIN = 1.5
@@ -307,7 +308,10 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
         raise ModError(f"fedcomp: the trained model does not match the server's layout: {exc}; the ClientApp "
                        f"must train and return the model the server sent (same names, shapes and dtypes)") from exc
     device = node_device(context)
-    delta = {name: trained[name].to(device) - received[name].to(device) for name in layout.names}
+    delta = {}
+    for name in layout.names:  # into fresh buffers in huge pages where large (wire.output_like)
+        t = trained[name].to(device)
+        delta[name] = torch.sub(t, received[name].to(device), out=output_like(t))
 
     use_ef = bool(cfg[P.ERROR_FEEDBACK])
     residual = _return_unacknowledged(state, cfg, state.residual if use_ef else None, use_ef)

@@ -38,7 +38,7 @@ import torch
 
 from fedcomp.errors import SpecError
 from fedcomp.layout import TensorSpec
-from fedcomp.wire import Reader, Writer, host_zeros
+from fedcomp.wire import Reader, Writer, host_zeros, output_like
 
 REGISTRY: dict[str, type["Stage"]] = {}
 SCALES = ("fraction", "count", "block", "levels")  # how a budget knob's values run (see Knob)
@@ -313,7 +313,7 @@ def add_residual(
         if promote and t.is_floating_point():
             t = t.to(torch.promote_types(t.dtype, torch.float32))
         r = residual.get(n)
-        out[n] = t + r.to(t.device, t.dtype) if r is not None and r.shape == t.shape else t
+        out[n] = torch.add(t, r.to(t.device, t.dtype), out=output_like(t)) if r is not None and r.shape == t.shape else t
     return out
 
 

@@ -17,6 +17,7 @@ import torch
 from fedcomp.base import Reducer, StageContext, add_residual
 from fedcomp.codec import Codec, Encoded, LazyDecoded
 from fedcomp.layout import Layout
+from fedcomp.wire import output_like
 
 
 def compress(
@@ -68,10 +69,10 @@ def compress(
             continue
         dtype = torch.promote_types(t.dtype, torch.float32)  # fp32, or float64 for float64 tensors
         if subtract is None:
-            new_residual[name] = t.to(dtype) - decoded[name].to(dtype)
+            new_residual[name] = torch.sub(t.to(dtype), decoded[name].to(dtype), out=output_like(t, dtype))
             continue
         fresh = own and name in kept and t.dtype == dtype and t is not update[name]
-        e = t if fresh else t.to(dtype, copy=True)
+        e = t if fresh else output_like(t, dtype).copy_(t)
         new_residual[name] = subtract(name, e)
     if hasattr(codec, "without_feedback"):  # a policy with a rule that takes none
         for name in codec.without_feedback(Layout.of(target), round):

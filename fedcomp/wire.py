@@ -142,6 +142,16 @@ def host_empty(shape, dtype: torch.dtype, at_least: int | None = None) -> torch.
     return torch.from_numpy(np.empty(n * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def output_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fresh contiguous buffer of ``t``'s shape and device (``dtype``: t's by default) for an
+    elementwise result: on the CPU from numpy in huge pages where it is MMAPPED bytes or more.
+    Why: ``a - b`` of 25M fp32 into fresh torch memory measured 13.3 read passes, 4.4 into this."""
+    dtype = t.dtype if dtype is None else dtype
+    if t.device.type != "cpu":
+        return torch.empty(t.shape, dtype=dtype, device=t.device)
+    return host_empty(t.numel(), dtype, MMAPPED).view(t.shape)
+
+
 def host_zeros(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A zero CPU buffer of n values; from numpy (calloc: fresh pages are zero already, nothing
     is written until used) where it is MMAPPED bytes or more, else torch's. Why: ``torch.zeros``

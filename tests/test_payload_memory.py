@@ -138,3 +138,23 @@ def test_large_sparse_decodes_start_from_calloc_zeros():
     assert int((codec.decode(enc.payload, layout)["a"] != 0).sum()) == int(kept[:4_000_000].sum())
     small = wire.host_zeros(10)
     assert small.dtype == torch.float32 and not small.any()
+
+
+def test_large_elementwise_results_go_into_fresh_buffers_with_the_same_values():
+    """update + residual and update - decoded of large tensors are written into
+    ``wire.output_like`` buffers (huge pages): the values of torch's own ops, shape and dtype kept."""
+    from fedcomp.base import add_residual
+    from fedcomp.feedback import compress
+
+    g = torch.Generator().manual_seed(8)
+    t = torch.randn(3000, 3000, generator=g)  # 36 MB: past wire.MMAPPED
+    r = torch.randn(3000, 3000, generator=g)
+    out = wire.output_like(t, torch.float64)
+    assert out.shape == t.shape and out.dtype == torch.float64 and out.is_contiguous()
+    assert wire.output_like(torch.zeros(3, 2)).shape == (3, 2)
+    summed = add_residual({"w": t}, {"w": r})["w"]
+    assert torch.equal(summed, t + r)
+    codec = fedcomp.build_codec("kbit(bits=4)")
+    enc, residual = compress(codec, {"w": t}, {"w": r}, nonce=3)
+    decoded = codec.decode(enc.payload, fedcomp.Layout.of({"w": t}))["w"]
+    assert torch.equal(residual["w"], (t + r) - decoded)
