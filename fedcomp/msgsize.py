@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from collections.abc import Mapping
 from typing import Any
+
+from fedcomp.wire import crc32
 
 # Flower reads the same variable once, at import (flwr.common.constant)
 CHUNK = int(os.getenv("FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE", "5242880"))
@@ -122,7 +123,7 @@ class _Counter:
 
     def _chunk(self, piece: memoryview) -> tuple:
         """Identity of a chunk: length and CRC, confirmed by content (zero chunks repeat)."""
-        key = (piece.nbytes, zlib.crc32(piece))
+        key = (piece.nbytes, crc32(piece))  # zlib's CRC (ISA-L's where installed: ~4x faster)
         bucket = self.chunks.setdefault(key, [])
         for i, other in enumerate(bucket):
             if other == piece:
