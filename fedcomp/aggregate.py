@@ -145,9 +145,20 @@ def _chunk_sq(c: torch.Tensor) -> float:
     """Sum of squares of one chunk in float64: a fused loop for CPU fp32/fp64 tensors
     (:mod:`fedcomp.kernels`; about 5x faster than ``vector_norm(dtype=float64)``, which first
     converts the chunk), torch otherwise. Either is inf or NaN exactly when a value is."""
-    if c.device.type == "cpu" and c.dtype in (torch.float32, torch.float64) and (k := kernels.get()) is not None:
-        return float(k.sumsq(c.detach().reshape(-1).numpy()))
+    if c.device.type == "cpu" and (k := kernels.get()) is not None:
+        if c.dtype in (torch.float32, torch.float64):
+            return float(k.sumsq(c.detach().reshape(-1).numpy()))
+        if c.dtype in _HALVES:  # a model's fp16 / bf16 tensor: the values as its dtype holds them
+            return float(k.half_sq(_bits16(c), c.dtype == torch.bfloat16))
     return float(torch.linalg.vector_norm(c, dtype=torch.float64) ** 2)
+
+
+_HALVES = (torch.float16, torch.bfloat16)
+
+
+def _bits16(c: torch.Tensor) -> np.ndarray:
+    """The uint16 bit patterns of an fp16 / bf16 CPU tensor (flat, as numpy)."""
+    return c.detach().contiguous().reshape(-1).view(torch.int16).numpy().view(np.uint16)
 
 
 def _sq_norm(t: torch.Tensor) -> float:
@@ -691,6 +702,11 @@ class Accumulator:
                     release()
 
     def _add_dense(self, target: torch.Tensor, local: int, flat: torch.Tensor, w: float) -> None:
+        k = kernels.get() if flat.dtype in _HALVES and flat.device.type == "cpu" and target.device.type == "cpu" \
+            and target.dtype == torch.float64 else None
+        if k is not None:  # fp16 / bf16 values (a model's tensor of that dtype) in one loop: add_'s bits
+            k.add_half(_bits16(flat), flat.dtype == torch.bfloat16, target[local:local + flat.numel()].numpy(), float(w))
+            return
         for i in range(0, flat.numel(), CHUNK):  # the float64 temporaries stay chunk-sized
             piece = flat[i:i + CHUNK]
             target[local + i:local + i + piece.numel()].add_(piece.to(self.device), alpha=w)

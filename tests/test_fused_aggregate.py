@@ -6,6 +6,8 @@ Chunk sizes are patched small so that every multi-chunk path runs on small tenso
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -217,3 +219,26 @@ def test_heavy_hitters_tied_at_the_cut_are_the_lowest_positions(chunk, monkeypat
     mag = torch.tensor([1.0, float("nan"), 3.0, 3.0, 2.0])  # not finite: torch.topk's choice, still k of them
     assert sketch._top_lowest_ties(mag, 2).numel() == 2
     assert sketch._top_lowest_ties(torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0]), 2).tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_model_tensor_is_added_and_squared_as_torch_would(dtype):
+    """A model's fp16 / bf16 tensor is added into its float64 sum by the compiled loop with the
+    bits of ``add_(values, alpha=w)``, and its chunk's sum of squares is the float64 one."""
+    from fedcomp import kernels
+
+    if kernels.get() is None:
+        pytest.skip("numba not installed")
+    g = torch.Generator().manual_seed(9)
+    values = (torch.randn(70_001, generator=g) * 300).to(dtype)
+    codec = fedcomp.build_codec("kbit(bits=4)")
+    acc = Accumulator(codec, fedcomp.Layout.of({"h": values}))
+    for w in (1.0, 0.3, 1e-7, 12345.0):
+        start = torch.randn(70_001, generator=g, dtype=torch.float64)
+        got, want = start.clone(), start.clone()
+        acc._add_dense(got, 0, values, w)
+        want.add_(values, alpha=w)
+        assert torch.equal(got, want)
+    assert aggregate._chunk_sq(values) == pytest.approx(float((values.double() ** 2).sum()), rel=1e-12)
+    values[5] = float("inf")
+    assert not math.isfinite(aggregate._chunk_sq(values))
