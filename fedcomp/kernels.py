@@ -22,6 +22,7 @@ first call still costs ~1.5 s (see :func:`for_encode`).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -88,21 +89,13 @@ def scratch(n: int, dtype) -> np.ndarray:
     return buf[:n]
 
 
-_CRC32_FUNCTION: list = []  # [address or None], resolved once
-
-
+@functools.cache
 def crc32_function() -> int | None:
     """The address of ISA-L's ``crc32_gzip_refl`` (``uint32 f(uint32 crc, const uint8 *buf,
     uint64 len)``: zlib's ``crc32(buf, crc)``, as :mod:`fedcomp.wire` computes it), for compiled
     loops that checksum what they read (``_numba_kernels.raw_crc_sq_run``); None where ``isal``'s
     module does not export it (then callers checksum in a pass of their own). Checked once
-    against zlib on a few lengths before it is used."""
-    if not _CRC32_FUNCTION:
-        _CRC32_FUNCTION.append(_resolve_crc32())
-    return _CRC32_FUNCTION[0]
-
-
-def _resolve_crc32() -> int | None:
+    against zlib on a few lengths before it is used (once: the result is cached)."""
     import ctypes
     import zlib
 

@@ -1594,7 +1594,8 @@ class TernGrad(_TernaryRuns, Quantizer):
         return offs + 4 * nb, np.stack([np.zeros_like(per), per, -per, np.zeros_like(per)], axis=1)
 
     def _scale(self, amax, bound, clip: bool) -> tuple[np.float32, np.float32]:
-        """(s, the clip bound) in fp32 from max |x| and std (``bound``)."""
+        """(s, the clip bound) in fp32 from max |x| and std (``bound``): scalars, or arrays of
+        segments (elementwise, the same fp32 operations)."""
         s32, bound32 = amax, np.float32(np.inf)
         if clip:
             with np.errstate(invalid="ignore", over="ignore"):  # std past fp32's range: inf
@@ -1622,14 +1623,10 @@ class TernGrad(_TernaryRuns, Quantizer):
         s32 = np.maximum.reduceat(amax, b0[:-1])  # max |x| per segment (every segment has a block)
         bound32 = np.full(count, np.inf, dtype=np.float32)
         use = np.flatnonzero(clips & ok)
-        if use.shape[0]:
-            std = np.empty(use.shape[0], dtype=np.float64)
-            for j, i in enumerate(use.tolist()):
-                a, e = int(b0[i]), int(b0[i + 1])
-                std[j] = _tern_std(int(ns[i]), ks[a:e], s1[a:e], s2[a:e])
-            with np.errstate(invalid="ignore", over="ignore"):  # std past fp32's range: inf
-                bound32[use] = np.float32(self.config.clip) * std.astype(np.float32)
-                s32[use] = np.minimum(s32[use], bound32[use])
+        if use.shape[0]:  # the scale of _write, for every clipped segment at once
+            std = np.array([_tern_std(int(ns[i]), ks[b0[i]:b0[i + 1]], s1[b0[i]:b0[i + 1]], s2[b0[i]:b0[i + 1]])
+                            for i in use.tolist()], dtype=np.float64)
+            s32[use], bound32[use] = self._scale(s32[use], std, True)
         keys = [uniforms.draw_key(gen(i), x.device) for i, x in enumerate(xs)]
         k0s, k1s = _run_keys(keys)
         step = max(4, _ENCODE_CHUNK // 4 * 4)
