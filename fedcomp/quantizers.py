@@ -935,7 +935,7 @@ class Sign(_BlockRuns, Quantizer):
             amax, s, ks = np.empty(n, dtype=np.float32), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
             scale = scale_out.numpy() if size == sub else np.empty(0, dtype=np.float32)
             k.sign_stats(x.numpy(), size, sub, qbits, not rms, amax, s, ks, scale,
-                         kernels.scratch(sub + k.SIGN_TILE + 8, np.uint8), codes.numpy())
+                         kernels.scratch(sub + k.SIGN_TILE + 8, np.uint8), codes.numpy(), k.NO_GUESS)
         else:
             starts = range(0, m, size) if size > sub else [0]
             stats = [_qstats_torch(x[a:a + size] if size > sub else x, sub, qbits, True, not rms) for a in starts]
@@ -1475,7 +1475,7 @@ def _tern_stats_kernel(x: torch.Tensor, clip: bool, k):
     nb = -(-m // _STD_BLOCK)
     amax = np.empty(nb, dtype=np.float32)
     s1, s2, ks = np.empty(nb, dtype=np.int64), np.empty(nb, dtype=np.int64), np.empty(nb, dtype=np.int64)
-    if not k.tern_stats(x.numpy(), _STD_BLOCK, _STD_QBITS, clip, amax, s1, s2, ks):
+    if not k.tern_stats(x.numpy(), _STD_BLOCK, _STD_QBITS, clip, amax, s1, s2, ks, k.NO_GUESS):
         return None
     return amax.max(), (_tern_std(m, ks, s1, s2) if clip else None)
 

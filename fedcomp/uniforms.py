@@ -19,7 +19,7 @@ project's machine: the 64-bit mixer alone 4.6 read passes, this one ~2). k1 ente
 step, so streams of different keys are different sequences, not shifts of one. The stream
 repeats after 2**32 elements of one segment (16 GB of fp32; no update is that large). u_i is a
 multiple of 2**-24, as an fp32 ``torch.rand`` value is. The fused CPU loops
-(:mod:`fedcomp._numba_kernels`, ``_u24``) and :func:`fill` (torch int32 ops: CUDA tensors, no
+(:mod:`fedcomp._numba_kernels`, ``_u24w``) and :func:`fill` (torch int32 ops: CUDA tensors, no
 numba, ``FEDCOMP_KERNELS=0``) give the same bits, so a payload's bytes do not depend on which
 path encoded it.
 """

@@ -122,6 +122,16 @@ def _encode_inputs():
         yield f"{bad}", {"w": x}
     yield "huge", {"w": torch.randn(7000, generator=g) * 1e30}
     yield "subnormal", {"w": torch.randn(7000, generator=g) * 1e-40}
+    # the exact sums' fp32 lanes (terngrad's std, sign's scale; quantizers._STD_BLOCK 1000 here):
+    # magnitudes from 1e-45 to 1e20 in every block (products below fp32's normal range), and
+    # tensors whose every block has max |x| = f * 2**e, f in [0.5, 1), at k = 20 - e = 120, 127
+    # (fp32's largest power of two) and 128 (the float64 loop)
+    spread = torch.randn(7000, generator=g) * torch.pow(10.0, torch.empty(7000).uniform_(-45, 20, generator=g))
+    yield "spread", {"w": spread}
+    for k in (120, 127, 128):
+        edge = spread[:3000].reshape(3, 1000)
+        edge = edge / edge.abs().amax(dim=1, keepdim=True) * (0.75 * 2.0 ** (20 - k))
+        yield f"k={k}", {"w": edge.reshape(-1)}
     tiny = torch.randn(7000, generator=g) * 1e-40  # qsgd's levels / norm overflows fp32: not 0 * inf
     tiny[::13] = 0.0
     yield "subnormal-zeros", {"w": tiny}
