@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -200,8 +200,22 @@ class StageContext:
     def generator(self, segment: int, device: torch.device | str = "cpu") -> torch.Generator:
         """A private generator seeded from (nonce, segment): the decoder can rebuild it."""
         gen = torch.Generator(device=device)
-        gen.manual_seed((self.nonce * 0x9E3779B97F4A7C15 + segment + 1) & ((1 << 63) - 1))
+        gen.manual_seed(self._seed(segment))
         return gen
+
+    def generators(self, segments: Sequence[int], device: torch.device | str = "cpu") -> Callable[[int], torch.Generator]:
+        """``gen(i)``: :meth:`generator` of ``segments[i]`` as one generator reseeded at each call,
+        valid until the next (callers that use each in turn). Why: making a ``torch.Generator``
+        costs about as much as seeding and drawing from it (161 stream keys of a ResNet-50 layout
+        1.2 ms made one by one, 0.65 ms reseeded)."""
+        gen = torch.Generator(device=device)
+
+        def seeded(i: int) -> torch.Generator:
+            return gen.manual_seed(self._seed(segments[i]))
+        return seeded
+
+    def _seed(self, segment: int) -> int:
+        return (self.nonce * 0x9E3779B97F4A7C15 + segment + 1) & ((1 << 63) - 1)
 
 
 class Reducer(Stage):

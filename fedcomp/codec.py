@@ -269,7 +269,7 @@ class Codec:
                    device: torch.device) -> None:
         """Write the waiting small segments (segment index, values) in one call; empty the list."""
         if run:
-            write_run(self.quantizer, [x for _, x in run], out, lambda i: ctx.generator(run[i][0], device))
+            write_run(self.quantizer, [x for _, x in run], out, ctx.generators([j for j, _ in run], device))
             run.clear()
 
     def _dense_size(self, layout: Layout, segments) -> int | None:

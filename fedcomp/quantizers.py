@@ -432,8 +432,8 @@ def runs(quantizer: Quantizer, k) -> bool:
 
 def write_run(quantizer: Quantizer, xs: list[torch.Tensor], out: Writer, gen) -> None:
     """Write segments ``xs`` (contiguous fp32 CPU tensors, none empty) in one compiled call: the
-    bytes of ``write_values`` on each in turn. ``gen(i)`` gives segment i's generator (made only
-    where the quantizer draws from it).
+    bytes of ``write_values`` on each in turn. ``gen(i)`` gives segment i's generator (seeded only
+    where the quantizer draws from it; valid until the next ``gen`` call).
 
     Why: writing one segment costs ~100 us of Python beside its loops (buffers, views, calls);
     a ResNet-50 has 161 tensors, 119 of them below 65,536 elements: ~16 ms a round, about two

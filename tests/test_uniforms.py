@@ -66,6 +66,16 @@ def test_key_comes_from_the_callers_generator():
     assert a == b != c and all(0 <= v < 1 << 32 for v in a + c)
 
 
+def test_reseeded_generators_draw_each_segments_own_keys():
+    from fedcomp.base import StageContext
+    ctx = StageContext(nonce=12345)
+    segments = [4, 0, 9, 4]
+    gen = ctx.generators(segments)
+    drawn = [uniforms.draw_key(gen(i), torch.device("cpu")) for i in (2, 0, 1, 3, 2)]  # any order, repeats
+    own = [uniforms.draw_key(ctx.generator(segments[i]), torch.device("cpu")) for i in (2, 0, 1, 3, 2)]
+    assert drawn == own and len(set(own)) == 3
+
+
 @pytest.mark.parametrize("spec", ["qsgd(bits=4)", "qsgd(bits=2,bucket=0)", "terngrad(clip=0)", "kbit(bits=2,stochastic=true)"])
 def test_one_encode_is_unbiased_over_many_elements(spec):
     """Within one encode (one key) the rounding errors of 262,144 elements average out: the mean
