@@ -1428,3 +1428,14 @@ def test_cuda_accumulator_sums_what_the_cpu_sums(case_id):
     for name, want in sums[0].items():
         torch.testing.assert_close(sums[1][name], want, rtol=1e-12, atol=1e-12 * float(want.abs().max()) + 1e-300,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_segments_of_recent_layouts_are_kept_and_fresh_lists():
+    codec = fedcomp.build_codec("kbit(bits=4)")
+    layouts = [fedcomp.Layout.of({"a": torch.zeros(n, 3), "b": torch.zeros(2)}) for n in range(1, 12)]
+    first = [codec.segments(lay) for lay in layouts]  # past the cache's 8: it starts over
+    assert [s[0][0].numel for s in first] == [3 * n for n in range(1, 12)]
+    again = codec.segments(fedcomp.Layout.of({"a": torch.zeros(5, 3), "b": torch.zeros(2)}))  # an equal layout
+    assert again == first[4] == codec._segments(layouts[4])
+    again.clear()  # the caller's own list
+    assert codec.segments(layouts[4]) == first[4]
