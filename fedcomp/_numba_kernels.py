@@ -479,6 +479,38 @@ def to_half(x, brain, limit, out):
             out[j] = _f32_half(v)
 
 
+@njit(inline="always")
+def _to_half1(v, brain):
+    """The fp16 (``brain`` False; no clamp: beyond fp16's range, inf) or bf16 bits of fp32 ``v``:
+    :func:`to_half`'s, element by element."""
+    if brain:
+        u = np.uint32(_i32_bits(v))
+        r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        return np.uint16(0xFFFF) if v != v else np.uint16(r)
+    return _f32_half(v)
+
+
+@njit(cache=True, nogil=True)
+def add_rounded(values, brain, s, w):
+    """s += w * float64(fp32 ``values`` rounded to fp16 / bf16): the per-segment path's
+    ``add_(values.to(dtype), alpha=w)`` for a model's half tensor (:func:`add_half` of
+    :func:`to_half`'s bits), in one loop."""
+    if brain:
+        for j in range(values.shape[0]):
+            s[j] = _fma(w, np.float64(_half(_to_half1(values[j], True), True)), s[j])
+    else:
+        for j in range(values.shape[0]):
+            s[j] = _fma(w, np.float64(_half(_to_half1(values[j], False), False)), s[j])
+
+
+@njit(cache=True, nogil=True)
+def rounded_sq(values, brain, bits16):
+    """:func:`half_sq` of fp32 ``values`` rounded to fp16 / bf16 (``bits16``: uint16 scratch of
+    their length): the per-segment check's sum for a chunk of a model's half tensor."""
+    to_half(values, brain, _F32(np.inf), bits16)
+    return half_sq(bits16, brain)
+
+
 SQ_PART = 1 << 18  # values per partial sum of sumsq / half_sq (1 MB of fp32: they stay in L2)
 
 
@@ -1520,11 +1552,25 @@ def _block_add(kind, c, prm, b, size, bits, i0, i1, s, w, no):
         sign(c, prm[0, b:], size, i0, i1, no, s, w, True)
 
 
+@njit(inline="always")
+def _block_values(kind, c, prm, b, size, bits, i0, i1, out):
+    """out = the fp32 values of codes c[i0:i1] of kbit, qsgd or sign (as :func:`_block_add` adds them)."""
+    no = np.empty(0, dtype=np.float64)
+    if kind == BLOCK_KBIT:
+        kbit(c, prm[0, b:], prm[1, b:], size, i0, i1, out, no, 0.0, False)
+    elif kind == BLOCK_QSGD:
+        qsgd(c, prm[0, b:], bits - 1, size, i0, i1, out, no, 0.0, False)
+    else:
+        sign(c, prm[0, b:], size, i0, i1, out, no, 0.0, False)
+
+
 @njit(cache=True, nogil=True)
-def block_sq_run(kind, body, coffs, ns, p0, params, block, bits, levels, chunk, codes, out):
+def block_sq_run(kind, body, coffs, ns, p0, params, block, bits, levels, chunk, codes, halves, vals, h16, out):
     """out[s] = segment s's sum of squares (kbit or qsgd codes at body[coffs[s]:], parameter rows
     ``params`` from block p0[s]), ``chunk`` elements at a time from its start as the per-segment
-    check sums them (kbit_sq, qsgd_sq), so the same float; inf or NaN where not finite."""
+    check sums them (kbit_sq, qsgd_sq), so the same float; inf or NaN where not finite.
+    halves[s] 1 / 2: the segment is a model's fp16 / bf16 tensor, whose values count rounded to
+    it (:func:`rounded_sq` of the chunk's values, built in ``vals`` / ``h16``: chunk-sized scratch)."""
     for s in range(ns.shape[0]):
         n = ns[s]
         size, unit = _geometry(n, block, bits)
@@ -1533,16 +1579,22 @@ def block_sq_run(kind, body, coffs, ns, p0, params, block, bits, levels, chunk, 
             j = min(n, i + chunk)
             a = i - i % unit
             c = _codes(body, coffs[s] + a * bits // 8, j - a, bits, codes)
-            tot += _block_sq(kind, c, params, p0[s] + a // size, size, bits, levels, i - a, j - a)
+            if halves[s]:
+                v = vals[:j - i]
+                _block_values(kind, c, params, p0[s] + a // size, size, bits, i - a, j - a, v)
+                tot += rounded_sq(v, halves[s] == 2, h16[:j - i])
+            else:
+                tot += _block_sq(kind, c, params, p0[s] + a // size, size, bits, levels, i - a, j - a)
         out[s] = tot
 
 
 @njit(cache=True, nogil=True)
-def block_add_runs(kind, bodies, coffs, ns, p0, params, block, bits, sums, w, chunk, codes):
+def block_add_runs(kind, bodies, coffs, ns, p0, params, block, bits, sums, w, chunk, codes, halves, vals):
     """Add replies r (payload bodies at bodies[r], parameter rows params[r]) of kbit, qsgd or sign
     into the float64 sums (segment s's at sums[s]) with weights w[r]: per segment, per ``chunk``
     elements of its sum, every reply in order (the per-segment path's additions, in its order:
-    the same bits)."""
+    the same bits). halves[s] 1 / 2: values rounded to fp16 / bf16 first (:func:`add_rounded`;
+    ``vals``: chunk-sized fp32 scratch)."""
     no = np.empty(0, dtype=np.float32)
     for s in range(ns.shape[0]):
         n = ns[s]
@@ -1556,7 +1608,12 @@ def block_add_runs(kind, bodies, coffs, ns, p0, params, block, bits, sums, w, ch
             for r in range(bodies.shape[0]):
                 body = carray(_u8_at(bodies[r]), (end,))
                 c = _codes(body, coffs[s] + a * bits // 8, j - a, bits, codes)
-                _block_add(kind, c, params[r], b, size, bits, i - a, j - a, sm[i:j], w[r], no)
+                if halves[s]:
+                    v = vals[:j - i]
+                    _block_values(kind, c, params[r], b, size, bits, i - a, j - a, v)
+                    add_rounded(v, halves[s] == 2, sm[i:j], w[r])
+                else:
+                    _block_add(kind, c, params[r], b, size, bits, i - a, j - a, sm[i:j], w[r], no)
 
 
 @njit(cache=True, nogil=True)
@@ -1577,24 +1634,43 @@ def sign_sq_run(ns, p0, scale, block, chunk, out):
         out[s] = tot
 
 
+@njit(inline="always")
+def _raw_half_bits(raw, kind, brain, vals, h16):
+    """h16 = the fp16 / bf16 (``brain``) bits of raw values ``raw`` (bytes; kind 0: fp32, 1: fp16,
+    2: bf16), rounded (``vals``: fp32 scratch of their count)."""
+    if kind == 0:
+        to_half(raw.view(np.float32), brain, _F32(np.inf), h16)
+    else:
+        r16 = raw.view(np.uint16)
+        for j in range(r16.shape[0]):
+            vals[j] = _half(r16[j], kind == 2)
+        to_half(vals, brain, _F32(np.inf), h16)
+
+
 @njit(cache=True, nogil=True)
-def raw_sq_run(body, coffs, ns, kind, chunk, out):
+def raw_sq_run(body, coffs, ns, kind, chunk, halves, vals, h16, out):
     """Per segment, the sum of squares of raw values (kind 0: fp32, 1: fp16, 2: bf16), ``chunk``
-    at a time (:func:`sumsq`, :func:`half_sq`)."""
+    at a time (:func:`sumsq`, :func:`half_sq`); of the values rounded to fp16 / bf16 where
+    halves[s] is 1 / 2 and the values are of another kind (``vals`` / ``h16``: chunk-sized scratch)."""
     width = 4 if kind == 0 else 2
     for s in range(ns.shape[0]):
         n = ns[s]
         o = coffs[s]
+        rnd = halves[s] != 0 and halves[s] != kind
         tot = 0.0
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
             raw = body[o + width * i:o + width * j]
-            tot += sumsq(raw.view(np.float32)) if kind == 0 else half_sq(raw.view(np.uint16), kind == 2)
+            if rnd:
+                _raw_half_bits(raw, kind, halves[s] == 2, vals[:j - i], h16[:j - i])
+                tot += half_sq(h16[:j - i], halves[s] == 2)
+            else:
+                tot += sumsq(raw.view(np.float32)) if kind == 0 else half_sq(raw.view(np.uint16), kind == 2)
         out[s] = tot
 
 
 @njit(cache=True, nogil=True)
-def raw_crc_sq_run(body, coffs, ns, kind, chunk, fn, crc, out):
+def raw_crc_sq_run(body, coffs, ns, kind, chunk, fn, crc, halves, vals, h16, out):
     """:func:`raw_sq_run` with the payload's CRC32 continued over the same bytes (``fn``:
     :func:`_call_crc32`): each part of SQ_PART values is summed from memory, then checksummed
     from cache; bytes between segments are checksummed in order too. The sums are
@@ -1603,7 +1679,8 @@ def raw_crc_sq_run(body, coffs, ns, kind, chunk, fn, crc, out):
 
     Why: a raw reply is read twice before it may count, for its checksum and for its norm, each
     time from memory (~1 read pass each); the checksum from cache costs ~0.4 (25M fp32, 2026-11-26:
-    1.2 read passes against 2.0; checksum first, then the sum from cache: 1.5)."""
+    1.2 read passes against 2.0; checksum first, then the sum from cache: 1.5). Values of a
+    model's half tensor of another kind count rounded, as :func:`raw_sq_run` sums them."""
     width = 4 if kind == 0 else 2
     base = body.ctypes.data
     at = 0  # body[:at] is checksummed
@@ -1612,6 +1689,7 @@ def raw_crc_sq_run(body, coffs, ns, kind, chunk, fn, crc, out):
         o = coffs[s]
         if o > at:
             crc = _call_crc32(fn, crc, base + at, o - at)
+        rnd = halves[s] != 0 and halves[s] != kind
         tot = 0.0
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
@@ -1619,7 +1697,12 @@ def raw_crc_sq_run(body, coffs, ns, kind, chunk, fn, crc, out):
             for a in range(i, j, SQ_PART):
                 e = min(j, a + SQ_PART)
                 raw = body[o + width * a:o + width * e]
-                part += _sumsq_part(raw.view(np.float32)) if kind == 0 else _half_sq_part(raw.view(np.uint16), kind == 2)
+                if rnd:
+                    _raw_half_bits(raw, kind, halves[s] == 2, vals[:e - a], h16[:e - a])
+                    part += _half_sq_part(h16[:e - a], halves[s] == 2)
+                else:
+                    part += _sumsq_part(raw.view(np.float32)) if kind == 0 else \
+                        _half_sq_part(raw.view(np.uint16), kind == 2)
                 crc = _call_crc32(fn, crc, base + o + width * a, width * (e - a))
             tot += part
         out[s] = tot
@@ -1628,18 +1711,28 @@ def raw_crc_sq_run(body, coffs, ns, kind, chunk, fn, crc, out):
 
 
 @njit(cache=True, nogil=True)
-def raw_add_runs(bodies, coffs, ns, kind, sums, w, chunk):
-    """:func:`block_add_runs` for raw values (kind 0: fp32, 1: fp16, 2: bf16)."""
+def raw_add_runs(bodies, coffs, ns, kind, sums, w, chunk, halves, vals):
+    """:func:`block_add_runs` for raw values (kind 0: fp32, 1: fp16, 2: bf16); rounded to fp16 /
+    bf16 first where halves[s] is 1 / 2 and the values are of another kind (``vals``: scratch)."""
     width = 4 if kind == 0 else 2
     for s in range(ns.shape[0]):
         n = ns[s]
         o = coffs[s]
         sm = carray(_f64_at(sums[s]), (n,))
+        rnd = halves[s] != 0 and halves[s] != kind
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
             for r in range(bodies.shape[0]):
                 raw = carray(_u8_at(bodies[r]), (o + width * n,))[o + width * i:o + width * j]
-                if kind == 0:
+                if rnd and kind == 0:
+                    add_rounded(raw.view(np.float32), halves[s] == 2, sm[i:j], w[r])
+                elif rnd:
+                    r16 = raw.view(np.uint16)
+                    v = vals[:j - i]
+                    for q in range(j - i):
+                        v[q] = _half(r16[q], kind == 2)
+                    add_rounded(v, halves[s] == 2, sm[i:j], w[r])
+                elif kind == 0:
                     add_f32(raw.view(np.float32), sm[i:j], w[r])
                 else:
                     add_half(raw.view(np.uint16), kind == 2, sm[i:j], w[r])

@@ -467,8 +467,9 @@ class Accumulator:
         self._offsets = self.offsets(layout)
         offset = sum(n for _, n in self._offsets.values())
         self._numel = offset
-        # replies read at once (Codec.read_run) where every sum takes the values as they are
-        self._runs = all(t.torch_dtype in (torch.float32, torch.float64) for t in layout.tensors if t.is_float)
+        # replies read at once (Codec.read_run): fp16 / bf16 tensors' values rounded in the loops
+        self._runs = all(t.torch_dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+                         for t in layout.tensors if t.is_float)
         self._shapes = {t.name: t.shape for t in layout.tensors}
         self._start_list = [start for start, _ in self._offsets.values()]  # ascending: layout order
         self._names = list(self._offsets)

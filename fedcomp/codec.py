@@ -30,6 +30,7 @@ from fedcomp.spec import parse_spec
 from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, header, open_payload
 
 _MASK64 = (1 << 64) - 1
+_HALVES = {torch.float16: 1, torch.bfloat16: 2}  # RunReply.set_halves' codes of a model's half tensors
 
 
 def derive_nonce(*parts: int) -> int:
@@ -382,6 +383,9 @@ class Codec:
                    if not spec.is_float}
             src.finish()
             run = q.read_run(body, ns, offs, (self, payload, layout, device))
+            halves = np.fromiter((_HALVES.get(t.torch_dtype, 0) for t in layout.tensors if t.is_float), dtype=np.int64,
+                                 count=ns.shape[0])
+            run.set_halves(halves)
         except DecodeError:
             if fused is not None:  # what is wrong with a corrupted payload is its checksum
                 open_payload(payload, layout.fingerprint(), self.fingerprint, versions)

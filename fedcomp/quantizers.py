@@ -481,6 +481,18 @@ class RunReply:
         self.address = body.ctypes.data
 
     sums: tuple[int, np.ndarray] | None = None  # (chunk, sq(chunk)) computed while reading (Codec.read_run)
+    halves: np.ndarray | None = None  # per segment 0, or 1 / 2: a model's fp16 / bf16 tensor (set_halves)
+
+    def set_halves(self, halves: np.ndarray) -> None:
+        """Mark the segments that are a model's fp16 (1) or bf16 (2) tensor (0: fp32 or float64):
+        their values are checked and added rounded to that dtype, as the per-segment path's
+        ``.to(dtype)`` rounds them (values from per-block or per-segment tables, rounded here)."""
+        self.halves = halves
+        if halves.any():
+            self.quantizer._round_tables(self, halves)
+
+    def halves_or_zeros(self) -> np.ndarray:
+        return self.halves if self.halves is not None else np.zeros(self.ns.shape[0], dtype=np.int64)
 
     def sq(self, chunk: int) -> np.ndarray:
         """Per segment, the sum of squares of its values (float64; inf or NaN where one is not
@@ -488,6 +500,19 @@ class RunReply:
         if self.sums is not None and self.sums[0] == chunk:
             return self.sums[1]
         return self.quantizer._run_sq(kernels.get(), self, chunk)
+
+
+def _rounded(values: np.ndarray, half: int) -> np.ndarray:
+    """fp32 ``values`` rounded to fp16 (``half`` 1) or bf16 (2), as fp32 (torch's conversions)."""
+    return torch.from_numpy(np.ascontiguousarray(values)).to(_HALF_DTYPES[half]).float().numpy()
+
+
+_HALF_DTYPES = {1: torch.float16, 2: torch.bfloat16}
+
+
+def _run_scratch(chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """fp32 and uint16 scratch of ``chunk`` elements (a half segment's values and their bits)."""
+    return kernels.scratch(chunk, np.float32), kernels.scratch(chunk, np.uint16)
 
 
 def _block_params(body: np.ndarray, offs: np.ndarray, nb: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
@@ -533,15 +558,19 @@ class _BlockRuns:
         out = np.empty(run.ns.shape[0], dtype=np.float64)
         bits = self._run_bits
         k.block_sq_run(getattr(k, self._run_kind), run.body, run.coffs, run.ns, run.p0, run.params, self._run_block,
-                       bits, (1 << bits) - 1, chunk, self._run_scratch(chunk), out)
+                       bits, (1 << bits) - 1, chunk, self._run_scratch(chunk), run.halves_or_zeros(),
+                       *_run_scratch(chunk), out)
         return out
+
+    def _round_tables(self, run: RunReply, halves: np.ndarray) -> None:
+        """Values built from codes: the kernels round each (``halves``)."""
 
     def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
         """Add replies ``runs`` (weights ``w``) into the float64 sums at addresses ``sums``."""
         first = runs[0]
         k.block_add_runs(getattr(k, self._run_kind), np.array([r.address for r in runs], dtype=np.int64), first.coffs,
                          first.ns, first.p0, np.stack([r.params for r in runs]), self._run_block, self._run_bits, sums,
-                         w, chunk, self._run_scratch(chunk))
+                         w, chunk, self._run_scratch(chunk), first.halves_or_zeros(), _run_scratch(chunk)[0])
 
 
 class _RawRuns:
@@ -555,8 +584,11 @@ class _RawRuns:
 
     def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
         out = np.empty(run.ns.shape[0], dtype=np.float64)
-        k.raw_sq_run(run.body, run.coffs, run.ns, self._raw_kind, chunk, out)
+        k.raw_sq_run(run.body, run.coffs, run.ns, self._raw_kind, chunk, run.halves_or_zeros(), *_run_scratch(chunk), out)
         return out
+
+    def _round_tables(self, run: RunReply, halves: np.ndarray) -> None:
+        """Raw values: the kernels round each (``halves``)."""
 
     def crc_sq(self, run: RunReply, chunk: int, fn: int, payload: bytes) -> None:
         """Verify the payload's CRC32 and compute ``run.sq(chunk)`` in one read of the values
@@ -566,7 +598,8 @@ class _RawRuns:
         view = memoryview(payload).cast("B")
         out = np.empty(run.ns.shape[0], dtype=np.float64)
         crc, end = kernels.get().raw_crc_sq_run(run.body, run.coffs, run.ns, self._raw_kind, chunk, fn,
-                                                np.uint32(crc32(view[:HEADER_BYTES])), out)
+                                                np.uint32(crc32(view[:HEADER_BYTES])), run.halves_or_zeros(),
+                                                *_run_scratch(chunk), out)
         crc = crc32(view[HEADER_BYTES + end:-TRAILER_BYTES], int(crc))
         if crc != int.from_bytes(view[-TRAILER_BYTES:], "little"):
             raise DecodeError(CHECKSUM_MISMATCH)
@@ -574,7 +607,7 @@ class _RawRuns:
 
     def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
         k.raw_add_runs(np.array([r.address for r in runs], dtype=np.int64), runs[0].coffs, runs[0].ns, self._raw_kind,
-                       sums, w, chunk)
+                       sums, w, chunk, runs[0].halves_or_zeros(), _run_scratch(chunk)[0])
 
 
 class _TernaryRuns:
@@ -593,6 +626,13 @@ class _TernaryRuns:
         out = np.empty(run.ns.shape[0], dtype=np.float64)
         k.ternary_sq_run(run.body, run.coffs, run.ns, run.params, chunk, out)
         return out
+
+    def _round_tables(self, run: RunReply, halves: np.ndarray) -> None:
+        """Every value is one of its segment's four: a half segment's row rounded once."""
+        for half in (1, 2):
+            rows = np.flatnonzero(halves == half)
+            if rows.shape[0]:
+                run.params[rows] = _rounded(run.params[rows], half)
 
     def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
         k.ternary_add_runs(np.array([r.address for r in runs], dtype=np.int64), runs[0].coffs, runs[0].ns,
@@ -957,6 +997,15 @@ class Sign(_BlockRuns, Quantizer):
         out = np.empty(run.ns.shape[0], dtype=np.float64)
         k.sign_sq_run(run.ns, run.p0, run.params[0], self.config.block, chunk, out)
         return out
+
+    def _round_tables(self, run: RunReply, halves: np.ndarray) -> None:
+        """Every value is +-scale: a half segment's scales rounded once (the check's squares; the
+        add rounds each value again, to the same value)."""
+        per_block = np.repeat(halves, np.diff(run.p0))
+        for half in (1, 2):
+            at = np.flatnonzero(per_block == half)
+            if at.shape[0]:
+                run.params[0, at] = _rounded(run.params[0, at], half)
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
         """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.sign_run`); the scales

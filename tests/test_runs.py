@@ -61,14 +61,20 @@ READ_SPECS = ["kbit(bits=4)", "kbit(bits=3,block=100)", "kbit(bits=8,block=0)", 
 WEIGHTS = (1, 3.0, 0.3, 1e-7, 12345)
 
 
-def _fp_model(seed: int) -> dict[str, torch.Tensor]:
+def _fp_model(seed: int, halves: bool = False) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(71, 47, generator=g), "b": torch.randn(5, generator=g), "one": torch.randn(1, generator=g),
-            "d": torch.randn(4, 3, 70, generator=g).double(), "n": torch.tensor([seed]), "big": torch.randn(3001, generator=g)}
+    model = {"w": torch.randn(71, 47, generator=g), "b": torch.randn(5, generator=g), "one": torch.randn(1, generator=g),
+             "d": torch.randn(4, 3, 70, generator=g).double(), "n": torch.tensor([seed]),
+             "big": torch.randn(3001, generator=g)}
+    if halves:  # a model's fp16 / bf16 tensors: their values are checked and added rounded to them
+        model["h"] = (torch.randn(1777, generator=g) * 300).half()
+        model["hb"] = torch.randn(3, 500, generator=g).bfloat16()
+        model["hb1"] = torch.randn(1, generator=g).bfloat16()
+    return model
 
 
-def _sum(codec, payloads, batch, runs_on, monkeypatch):
-    layout = fedcomp.Layout.of(_fp_model(0))
+def _sum(codec, payloads, batch, runs_on, monkeypatch, halves=False):
+    layout = fedcomp.Layout.of(_fp_model(0, halves))
     acc = aggregate.Accumulator(codec, layout, batch=batch)
     with monkeypatch.context() as m:
         if not runs_on:
@@ -82,16 +88,17 @@ def _sum(codec, payloads, batch, runs_on, monkeypatch):
         return norms, acc.sum()
 
 
+@pytest.mark.parametrize("halves", [False, True])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("spec", READ_SPECS)
-def test_replies_read_at_once_sum_to_the_bits_of_the_per_segment_path(spec, batch, monkeypatch):
+def test_replies_read_at_once_sum_to_the_bits_of_the_per_segment_path(spec, batch, halves, monkeypatch):
     monkeypatch.setattr(aggregate, "CHUNK", 600)  # chunks start inside blocks and tensors
     monkeypatch.setattr(aggregate, "SUM_CHUNK", 500)
     monkeypatch.setenv("FEDCOMP_KERNELS", "1")
     codec = fedcomp.build_codec(spec)
-    payloads = [codec.encode(_fp_model(i), nonce=i, round=1).payload for i in range(1, len(WEIGHTS) + 1)]
-    norms, sums = _sum(codec, payloads, batch, True, monkeypatch)
-    ref_norms, ref_sums = _sum(codec, payloads, batch, False, monkeypatch)
+    payloads = [codec.encode(_fp_model(i, halves), nonce=i, round=1).payload for i in range(1, len(WEIGHTS) + 1)]
+    norms, sums = _sum(codec, payloads, batch, True, monkeypatch, halves)
+    ref_norms, ref_sums = _sum(codec, payloads, batch, False, monkeypatch, halves)
     if spec.startswith(("sign", "twobit", "terngrad")):  # sequential sums of counts x squares, numpy's dot
         assert norms == pytest.approx(ref_norms, rel=1e-12)
     else:
@@ -235,11 +242,21 @@ def test_the_fused_checksum_covers_bytes_between_segments():
     fn = kernels.crc32_function()
     if fn is None:
         pytest.skip("this isal does not export crc32_gzip_refl")
-    crc, end = k.raw_crc_sq_run(body, coffs, ns, 0, 250_000, fn, np.uint32(zlib.crc32(b"head")), out)
-    assert end == coffs[-1] + 12
-    assert crc == zlib.crc32(body[:end].tobytes(), zlib.crc32(b"head"))
-    k.raw_sq_run(body, coffs, ns, 0, 250_000, ref)
-    assert out.tolist() == ref.tolist()
+    scratch = np.empty(250_000, dtype=np.float32), np.empty(250_000, dtype=np.uint16)
+    for halves in ([0, 0, 0, 0], [2, 0, 1, 2]):  # segments that are a model's bf16 / fp16 tensors
+        halves = np.array(halves, dtype=np.int64)
+        crc, end = k.raw_crc_sq_run(body, coffs, ns, 0, 250_000, fn, np.uint32(zlib.crc32(b"head")), halves, *scratch,
+                                    out)
+        assert end == coffs[-1] + 12
+        assert crc == zlib.crc32(body[:end].tobytes(), zlib.crc32(b"head"))
+        k.raw_sq_run(body, coffs, ns, 0, 250_000, halves, *scratch, ref)
+        assert out.tolist() == ref.tolist()
+        for s, half in enumerate(halves.tolist()):  # the squares of the values as the model's dtype holds them
+            values = torch.from_numpy(body[coffs[s]:coffs[s] + 4 * ns[s]].view(np.float32).copy())
+            values = values.to({0: torch.float32, 1: torch.float16, 2: torch.bfloat16}[half]).double()
+            assert out[s] == pytest.approx(float((values ** 2).sum()), rel=1e-12)
+    fp32 = torch.from_numpy(body[52:52 + 2_400_000].view(np.float32).copy()).double()
+    assert out[2] != pytest.approx(float((fp32 ** 2).sum()), rel=1e-9)  # fp16's rounding moved it (~5e-7)
 
 
 @pytest.mark.parametrize("spec", ["fp16()", "bf16()"])
@@ -290,3 +307,30 @@ def test_a_writer_checksums_the_whole_payload_where_a_part_lands_in_checksummed_
     other.tensor(part)
     payload = other.getvalue(b"M" * 8, 7, 9)
     assert zlib.crc32(payload[:-4]) == int.from_bytes(payload[-4:], "little")
+
+
+@pytest.mark.parametrize("runs_on", [True, False])
+def test_a_value_beyond_a_half_tensors_range_is_refused_as_the_per_segment_path_refuses_it(runs_on, monkeypatch):
+    """none()'s fp32 values of a model's fp16 tensor: 1e6 rounds to inf in fp16, so the reply is
+    refused (the per-segment path's ``.to(torch.float16)``); 60001 is kept, rounded to 60000."""
+    from fedcomp.wire import HEADER_BYTES
+
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    if not runs_on:
+        monkeypatch.setattr(codec_module.Codec, "read_run", lambda *a, **kw: None)
+    codec = fedcomp.build_codec("none()")
+    model = {"w": torch.randn(300), "h": torch.randn(50).half()}
+    acc = aggregate.Accumulator(codec, fedcomp.Layout.of(model))
+    payload = bytearray(codec.encode(model, nonce=1).payload)
+    at = HEADER_BYTES + 4 * 300 + 4 * 7  # h[7]'s fp32 bytes
+    for value, kept in ((60001.0, True), (1.0e6, False)):
+        payload[at:at + 4] = torch.tensor([value]).numpy().tobytes()
+        payload[-4:] = zlib.crc32(bytes(payload[:-4])).to_bytes(4, "little")
+        if kept:
+            update = acc.decode(bytes(payload))
+            assert (update.run is not None) == runs_on
+            acc.add_update(update, 1.0)
+            assert acc.sum()["h"][7].item() == 60000.0
+        else:
+            with pytest.raises(aggregate.UpdateRejected, match="'h'"):
+                acc.decode(bytes(payload))
