@@ -400,3 +400,31 @@ def test_delta_parameter_checked():
         CompressedStrategy(FedAvg(), delta=1.5)
     with pytest.raises(fedcomp.SpecError, match="sketch"):
         CompressedStrategy(FedAvg(), upload="sketch()", aggregation="sketch", delta=0.5)
+
+
+@pytest.mark.parametrize("upload", ["kbit(bits=4)", "none()", "sign()"])
+def test_an_fp16_model_aggregates_to_the_bits_of_the_per_segment_path(upload, monkeypatch):
+    """A model with an fp16 tensor (Flower's ArrayRecord carries fp16, not bf16): replies read at
+    once (values rounded to fp16 in the compiled loops) give the model the per-segment path gives."""
+    from fedcomp import codec as codec_module, kernels
+
+    if kernels.get() is None:
+        pytest.skip("numba not installed")
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    model = {"w": _model()["w"].half(), "b": _model()["b"], "steps": torch.tensor(5)}
+    shifts = {n: {"w": _shift(n)["w"].half(), "b": _shift(n)["b"], "steps": torch.tensor(1)} for n in (1, 2, 3)}
+    outs, read_at_once = [], []
+    real = codec_module.Codec.read_run
+    for runs_on in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(codec_module.Codec, "read_run", lambda *a, **kw: read_at_once.append(real(*a, **kw)) or
+                      read_at_once[-1] if runs_on else None)
+            contexts = {n: _context(n) for n in shifts}
+            strategy = CompressedStrategy(FedAvg(min_available_nodes=3), upload=upload, download="none()")
+            arrays, _ = _round(strategy, model, shifts, contexts)
+            outs.append(arrays.to_torch_state_dict())
+    assert len(read_at_once) >= 3 and all(r is not None for r in read_at_once)  # deferred replies read again
+    assert outs[0]["w"].dtype == torch.float16
+    for name in model:
+        assert torch.equal(outs[0][name], outs[1][name]), name
+    assert not torch.equal(outs[0]["w"], model["w"])  # the round moved it
