@@ -320,6 +320,13 @@ def _ternary_kernels(device: torch.device):
     return kernels.get() if device.type == "cpu" else None
 
 
+def _loaded_ternary_kernels(device: torch.device) -> bool:
+    """Whether a ternary decode takes the compiled loops: CPU, kernels loaded already (a server, a
+    warm worker) or asked for (:func:`fedcomp.kernels.for_encode`). A fresh ClientApp process
+    decoding its own payload for error feedback keeps the torch ops (numba's import ~1.7 s)."""
+    return device.type == "cpu" and kernels.for_encode() is not None
+
+
 def _ternary(src: Reader, count: int, device: torch.device, bad: int, message: str, table: list) -> Values:
     """Values of a 2-bit code with one unused code (twobit, terngrad; CPU kernels): the codes are
     checked now, and each value is ``table[code]`` in fp32, built chunk by chunk. Without kernels
@@ -1163,6 +1170,8 @@ class TwoBit(_TernaryRuns, Quantizer):
         return torch.where(codes == 3, t, torch.where(codes == 2, -t, 0.0)).float()
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
+        if count and _loaded_ternary_kernels(device):  # the compiled table loop (torch ops: ~65 read passes)
+            return self.read_values(src, count, device).dense()
         codes = unpack_codes(src.take(packed_bytes(count, 2)).to(device), count, 2)
         if bool((codes == 1).any()):
             raise DecodeError("twobit payload holds the unused code 01")
@@ -1696,6 +1705,8 @@ class TernGrad(_TernaryRuns, Quantizer):
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         if count == 0:
             return torch.empty(0, device=device)
+        if _loaded_ternary_kernels(device):  # the compiled table loop (torch ops: ~65 read passes)
+            return self.read_values(src, count, device).dense()
         s = src.tensor(1, torch.float32).to(device)[0]
         codes = unpack_codes(src.take(packed_bytes(count, 2)).to(device), count, 2)
         if bool((codes == 3).any()):
