@@ -1171,7 +1171,7 @@ def _qsums(v, sc, absolute):
     """(sum q, sum q^2), or (sum |q|, 0) (``absolute``), of q = rint(float64(v) * sc), |q| <=
     2**qbits: float64 sums of integers whose every partial sum stays below 2**53 (len(v) <= 8192;
     qbits <= 20 for q^2, <= 40 for |q|) are exact in any order, so the vectorized (reassociated)
-    loop gives the same result as any other. :func:`_qsums32` where sc fits fp32."""
+    loop gives the same result as any other. :func:`_maxsums32` where sc is an fp32."""
     t1 = 0.0
     t2 = 0.0
     for j in range(v.shape[0]):
@@ -1185,29 +1185,14 @@ def _qsums(v, sc, absolute):
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _qsums32(v, sc, absolute):
-    """:func:`_qsums` for sc = 2**k, -126 <= k <= 127 (an fp32 power of two), with q formed in fp32
-    lanes (16 a register, not 8): v * sc is then exact in fp32 as in float64 (a power of two only
-    moves the exponent; a product below fp32's normal range is below 0.5 and rounds to 0 either
-    way), so q is the same integer. The square is fused with its sum (q^2 < 2**53 and every
-    partial sum exact: an fma rounds nothing). Why: the float64 loop's conversion, multiply and
-    rounding per 8 values made these sums compute-bound (0.8 read passes from L2 at 25M; 0.6 now)."""
-    s32 = _F32(sc)
-    t1 = 0.0
-    t2 = 0.0
-    for j in range(v.shape[0]):
-        q = np.float64(np.rint(v[j] * s32))
-        if absolute:
-            t1 += abs(q)
-        else:
-            t1 += q
-            t2 += q * q
-    return t1, t2
-
-
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _maxsums32(v, vb, s32, absolute):
-    """(:func:`_absbits` of ``vb``, v's int32 view, and :func:`_qsums32` of v, s32) in one loop."""
+    """(:func:`_absbits` of ``vb``, v's int32 view, and :func:`_qsums`' sums of v) in one loop,
+    for ``s32`` = 2**k an fp32 (-126 <= k <= 127), with q formed in fp32 lanes (16 a register, not
+    8): v * s32 is then exact in fp32 as in float64 (a power of two only moves the exponent; a
+    product below fp32's normal range is below 0.5 and rounds to 0 either way), so q is the same
+    integer. The square is fused with its sum (q^2 < 2**53 and every partial sum exact: an fma
+    rounds nothing). Why: the float64 loop's conversion, multiply and rounding per 8 values made
+    the sums compute-bound (0.8 read passes from L2 at 25M; 0.6 in fp32 lanes)."""
     mx = np.int32(0)
     low = np.int32(0x7FFFFFFF)
     t1 = 0.0
@@ -1256,7 +1241,8 @@ def _block_qsums(x, xb, a, e, qbits, sums, absolute, guess):
     block's k is the guess, else taken again (from cache) for its k: the same sums either way.
     Why: the max from memory, then the sums from L2, cost ~1.7 read passes at 25M (TernGrad's
     first pass); one loop ~1.05 where the guess holds (blocks of one tensor mostly share their
-    max's exponent: 9 of 381 blocks missed on a Gaussian, 41% on the worst scale, 1.3-1.5)."""
+    max's exponent: 9 of 381 blocks missed on a Gaussian; on the worst scale, a max straddling a
+    power of two, 41% missed and the pass took 1.3-1.5)."""
     if sums and -126 <= guess <= 127:
         s32 = _F32(_f64_bits(np.int64(guess + 1023) << 52))
         bits = np.int32(0)
@@ -1281,10 +1267,11 @@ def _block_qsums(x, xb, a, e, qbits, sums, absolute, guess):
     t1 = np.int64(0)
     t2 = np.int64(0)
     for c in range(a, e, 8192):
+        d = min(e, c + 8192)
         if -126 <= k <= 127:
-            p1, p2 = _qsums32(x[c:min(e, c + 8192)], sc, absolute)
+            _, p1, p2 = _maxsums32(x[c:d], xb[c:d], _F32(sc), absolute)
         else:
-            p1, p2 = _qsums(x[c:min(e, c + 8192)], sc, absolute)
+            p1, p2 = _qsums(x[c:d], sc, absolute)
         t1 += np.int64(p1)
         t2 += np.int64(p2)
     return bits, k, t1, t2

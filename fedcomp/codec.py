@@ -25,12 +25,11 @@ from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.layout import MAX_NUMEL, Layout
 from fedcomp.pieces import Pieces
 from fedcomp import kernels
-from fedcomp.quantizers import read_values, runs, write_run, write_values
+from fedcomp.quantizers import HALF_CODES, read_values, runs, write_run, write_values
 from fedcomp.spec import parse_spec
 from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, header, open_payload
 
 _MASK64 = (1 << 64) - 1
-_HALVES = {torch.float16: 1, torch.bfloat16: 2}  # RunReply.set_halves' codes of a model's half tensors
 
 
 def derive_nonce(*parts: int) -> int:
@@ -383,8 +382,8 @@ class Codec:
                    if not spec.is_float}
             src.finish()
             run = q.read_run(body, ns, offs, (self, payload, layout, device))
-            halves = np.fromiter((_HALVES.get(t.torch_dtype, 0) for t in layout.tensors if t.is_float), dtype=np.int64,
-                                 count=ns.shape[0])
+            halves = np.fromiter((HALF_CODES.get(t.torch_dtype, 0) for t in layout.tensors if t.is_float),
+                                 dtype=np.int64, count=ns.shape[0])
             run.set_halves(halves)
         except DecodeError:
             if fused is not None:  # what is wrong with a corrupted payload is its checksum

@@ -509,12 +509,13 @@ class RunReply:
         return self.quantizer._run_sq(kernels.get(), self, chunk)
 
 
+HALF_CODES = {torch.float16: 1, torch.bfloat16: 2}  # RunReply.halves' codes of a model's half tensors
+
+
 def _rounded(values: np.ndarray, half: int) -> np.ndarray:
     """fp32 ``values`` rounded to fp16 (``half`` 1) or bf16 (2), as fp32 (torch's conversions)."""
-    return torch.from_numpy(np.ascontiguousarray(values)).to(_HALF_DTYPES[half]).float().numpy()
-
-
-_HALF_DTYPES = {1: torch.float16, 2: torch.bfloat16}
+    dtype = next(d for d, code in HALF_CODES.items() if code == half)
+    return torch.from_numpy(np.ascontiguousarray(values)).to(dtype).float().numpy()
 
 
 def _run_scratch(chunk: int) -> tuple[np.ndarray, np.ndarray]:
