@@ -15,9 +15,10 @@ from fedcomp.aggregate import Accumulator, AggregationError, NormGuard, WeightEr
 from fedcomp.server_feedback import ServerFeedback
 
 SPECS = ["topk(ratio=0.1)+qsgd(bits=4)", "randomk(ratio=0.2)", "kbit(bits=4)", "powersgd(rank=1)", "none()",
-         "threshold(ratio=0.1)"]
+         "threshold(ratio=0.1)", "sign()", "terngrad()", "qsgd(bits=4)"]
+# fp16 / bf16 tensors: dense replies are read at once, their values rounded in the loops
 _LAYOUT_MODEL = {"w": torch.zeros(12, 8), "b": torch.zeros(8), "h": torch.zeros(6, dtype=torch.float16),
-                 "n": torch.zeros(2, dtype=torch.int64)}
+                 "hb": torch.zeros(5, dtype=torch.bfloat16), "n": torch.zeros(2, dtype=torch.int64)}
 LAYOUT = fedcomp.Layout.of(_LAYOUT_MODEL)
 
 
