@@ -28,6 +28,7 @@ Targets (issue 16): top-k 0.1% + 4-bit encode <= 5x (also 99.9%-zero); dense qua
     python -m fedcomp.simulations.bench_codecs                      # 25M + ResNet-50 layout, 1 thread
     python -m fedcomp.simulations.bench_codecs --quick              # 1M elements, 2 repeats: seconds
     python -m fedcomp.simulations.bench_codecs --sizes 100000 --repeats 2 --json out.json
+    python -m fedcomp.simulations.bench_codecs --resnet --sizes 1000000 --dtype bf16   # a bf16 model
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def _unit(flat: list[torch.Tensor], repeats: int, device: torch.device) -> float
 
 
 REPLIES = 8  # replies per batch in the decode+acc column (Accumulator's default batch)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # --dtype: the model's
 
 
 def _adders(codec, layout, device: torch.device, payload: bytes):
@@ -219,7 +221,7 @@ def peers(layout_name: str, x: torch.Tensor, device: torch.device, repeats: int)
 def bench_layout(layout_name: str, tensors: dict[str, torch.Tensor], device: torch.device, repeats: int,
                  codecs=CODECS) -> list[dict]:
     layout = fedcomp.Layout.of(tensors)
-    flat = [t.reshape(-1) for t in tensors.values()]
+    flat = [t.reshape(-1).float() for t in tensors.values()]  # the unit: a read pass of fp32 values
     size = layout.numel
     rows = []
     for spec, target in codecs:
@@ -290,6 +292,9 @@ def main(argv=None) -> None:
     ap.add_argument("--cold", action="store_true", help="measure the cold start even with --codecs (default: without)")
     ap.add_argument("--quick", action="store_true", help="1M elements, a few codecs, 2 repeats, no ResNet layout")
     ap.add_argument("--json", help="write the codec rows here (peers and cold start under their own keys)")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                    help="the model's dtype (fp16 / bf16: the server rounds each value to it; the unit stays an "
+                         "fp32 read pass of the same elements)")
     ap.add_argument("--kernels", choices=("auto", "0", "1"), default=None,
                     help="FEDCOMP_KERNELS for this run: fused numba loops auto (default), off, or forced on")
     args = ap.parse_args(argv)
@@ -318,23 +323,24 @@ def main(argv=None) -> None:
           f"fused kernels (numba) {'on' if loaded else 'off'} (FEDCOMP_KERNELS={kernels.mode()})")
     rows: list[dict] = []
     peer_rows: list[dict] = []
+    dtype = DTYPES[args.dtype]
     for device in devices:
         layouts = []
         for size in args.sizes:
             side = int(math.isqrt(size))
             g = torch.Generator().manual_seed(0)
-            layouts.append((f"{side * side:,} fp32 ({side} x {side})",
-                            {"w": (torch.randn(side, side, generator=g) * 0.01).to(device)}))
+            layouts.append((f"{side * side:,} {args.dtype} ({side} x {side})",
+                            {"w": (torch.randn(side, side, generator=g) * 0.01).to(device, dtype)}))
         if resnet:
             g = torch.Generator().manual_seed(0)
-            layouts.append(("ResNet-50 layout (161 tensors)",
-                            {n: (torch.randn(s, generator=g) * 0.01).to(device) for n, s in resnet50_shapes()}))
+            layouts.append((f"ResNet-50 layout (161 tensors{'' if args.dtype == 'fp32' else ', ' + args.dtype})",
+                            {n: (torch.randn(s, generator=g) * 0.01).to(device, dtype) for n, s in resnet50_shapes()}))
         for name, tensors in layouts:
             print(f"\n== {device} | {name} | unit: one read pass x.sum() ==")
             print(f"| {'operation':44s} |   encode |    decode | decode+acc | acc x1  |   encode time | target      |")
             print(f"|{'-' * 46}|---------:|----------:|-----------:|--------:|--------------:|-------------|")
             if with_peers:
-                peer_rows += peers(name, torch.cat([t.reshape(-1) for t in tensors.values()]), device, args.repeats)
+                peer_rows += peers(name, torch.cat([t.reshape(-1).float() for t in tensors.values()]), device, args.repeats)
             rows += bench_layout(name, tensors, device, args.repeats, codecs)
     cold = None
     if with_cold:

@@ -31,6 +31,11 @@ def test_bench_codecs_rows(tmp_path):
         assert r["size"] == 10000 and r["read_s"] > 0
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("encode_x", "decode_x", "decode_acc_x"))
     assert rows[1]["encode_target_x"] == 5.0 and rows[0]["encode_target_x"] == 3.0
+    bench_codecs.main(["--sizes", "10000", "--repeats", "1", "--cpu-only", "--json", str(out), "--dtype", "bf16",
+                       "--codecs", "kbit(bits=4)"])  # a bf16 model: its values rounded at the server
+    row, = json.loads(out.read_text())
+    assert row["layout"] == "10,000 bf16 (100 x 100)" and row["payload_bytes"] == rows[0]["payload_bytes"]
+    assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("encode_x", "decode_x", "decode_acc_x"))
 
 
 def test_profile_encode_counts_ops_per_tensor(tmp_path, monkeypatch):
