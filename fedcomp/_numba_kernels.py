@@ -1221,9 +1221,10 @@ def _qexp(bits, qbits):
 
 @njit(inline="always")
 def _whole(p):
-    """A chunk's float64 sum of integers as int64; 0 where it is not one below 2**53 (a guessed
-    exponent that was wrong: the sums are dropped)."""
-    return np.int64(p) if abs(p) < 9.0e15 else np.int64(0)
+    """A chunk's float64 sum of integers as int64; 0 where it cannot be one (beyond 2**53, inf or
+    NaN: a guessed exponent that was wrong, whose sums are dropped). A right guess's sums reach
+    2**53 itself (8192 values of |q| = 2**20: a block of values just below a power of two)."""
+    return np.int64(p) if abs(p) <= 9007199254740992.0 else np.int64(0)
 
 
 NO_GUESS = 1 << 20  # _block_qsums' guess where there is none

@@ -335,3 +335,21 @@ def test_wide_kernels_compile_quietly_to_the_torch_paths_bytes(tmp_path, monkeyp
     x = {"w": torch.randn(20000, generator=torch.Generator().manual_seed(3))}
     expected = [fedcomp.build_codec(spec).encode(x, nonce=5, round=2, state={}).payload.hex() for spec in specs]
     assert got.stdout.split() == expected
+
+
+@pytest.mark.parametrize("spec", ["terngrad()", "sign(scale='rms')", "sign()"])
+def test_blocks_just_below_a_power_of_two_sum_exactly_in_the_max_loop(spec, monkeypatch):
+    """Whole 65,536-value blocks of 0.99999: |q| = 2**20 - 10 each, so a chunk's sum of squares
+    comes within 0.01% of 2**53, the largest exact one; every block after the first takes its sums
+    in the max's loop (the k of the block before). The kernels' bytes are the torch path's
+    (a cut-off below 2**53 had dropped those sums: a negative variance, a wrong rms scale)."""
+    values = {"const": torch.full((2 * 65536 + 7,), 0.99999), "pair": torch.tensor([0.99999, 0.99998]).repeat(65540)}
+    codec = fedcomp.build_codec(spec)
+    for name, x in values.items():
+        payloads = []
+        for flag in ("0", "1"):
+            monkeypatch.setenv("FEDCOMP_KERNELS", flag)
+            payloads.append(codec.encode({"w": x}, nonce=3, round=1, state={}).payload)
+        assert payloads[0] == payloads[1], name
+        if spec == "sign(scale='rms')":  # the rms of +-0.99999... is 0.99999...
+            assert float(codec.decode(payloads[1], fedcomp.Layout.of({"w": x}))["w"].abs().max()) == pytest.approx(0.99999, rel=1e-5)
