@@ -1521,9 +1521,12 @@ def _tern_std(n: int, ks, s1, s2) -> float:
     the std by at most 2**-20 * max|x| (the centred vector moves by at most that per element);
     rounding errors of continuous data average out, so on Gaussian updates it agrees with
     ``torch.std`` to ~1e-8 relative (``tests/test_uniforms.py`` checks 1e-6)."""
-    top = int(max(ks))
-    a = _shifted_sum(s1, ks, top, 1)
-    b = _shifted_sum(s2, ks, top, 2)
+    if len(ks) == 1:  # one block (most of a ResNet's tensors): nothing to shift
+        top, a, b = int(ks[0]), int(s1[0]), int(s2[0])
+    else:
+        top = int(max(ks))
+        a = _shifted_sum(s1, ks, top, 1)
+        b = _shifted_sum(s2, ks, top, 2)
     var = (n * b - a * a) / (n * (n - 1))
     return math.ldexp(math.sqrt(var), -top)
 
