@@ -200,9 +200,16 @@ def unpack(data, count, bits, out):
 
 # -- dequantize (out) or dequantize and add (s += w * value) ------------------------------------
 # Inner loops run over local slices from index 0: the form LLVM vectorizes (about 4x faster).
+@njit(inline="always")
+def _as_half(v, half):
+    """fp32 ``v`` rounded to fp16 (``half`` 1) or bf16 (2), as fp32 (:func:`_to_half1`'s bits)."""
+    return _half(_to_half1(v, half == 2), half == 2)
+
+
 @njit(cache=True, nogil=True)
-def kbit(codes, lo, scale, size, i0, i1, out, s, w, add):
-    """value = fp32(code) * scale[b] + lo[b] (two fp32 roundings, as KBit._values)."""
+def kbit(codes, lo, scale, size, i0, i1, out, s, w, add, half):
+    """value = fp32(code) * scale[b] + lo[b] (two fp32 roundings, as KBit._values); added rounded
+    to fp16 / bf16 where ``half`` is 1 / 2 (a model's half tensor, as the per-segment path adds it)."""
     b = i0 // size
     i = i0
     while i < i1:
@@ -212,8 +219,15 @@ def kbit(codes, lo, scale, size, i0, i1, out, s, w, add):
         c = codes[i:e]
         if add:
             t = s[i - i0:e - i0]
-            for j in range(e - i):
-                t[j] = _fma(w, np.float64(_F32(c[j]) * sc + mn), t[j])
+            if half == 1:
+                for j in range(e - i):
+                    t[j] = _fma(w, np.float64(_as_half(_F32(c[j]) * sc + mn, 1)), t[j])
+            elif half == 2:
+                for j in range(e - i):
+                    t[j] = _fma(w, np.float64(_as_half(_F32(c[j]) * sc + mn, 2)), t[j])
+            else:
+                for j in range(e - i):
+                    t[j] = _fma(w, np.float64(_F32(c[j]) * sc + mn), t[j])
         else:
             o = out[i - i0:e - i0]
             for j in range(e - i):
@@ -223,11 +237,13 @@ def kbit(codes, lo, scale, size, i0, i1, out, s, w, add):
 
 
 @njit(cache=True, nogil=True)
-def qsgd(codes, unit, top, size, i0, i1, out, s, w, add):
+def qsgd(codes, unit, top, size, i0, i1, out, s, w, add, half):
     """value = fp32(+-(code & (2**top - 1))) * unit[b], the sign in bit ``top`` (QSGD._values;
     ``unit`` = norm / levels, computed in fp32 by the caller). A level of 0 is +0.0 either sign.
     The signed level by two's complement arithmetic on 32-bit masks (no branch, no variable
-    shift): the loop vectorizes (AVX2 has no 64-bit arithmetic shift or int64 -> float)."""
+    shift): the loop vectorizes (AVX2 has no 64-bit arithmetic shift or int64 -> float). Added
+    rounded to fp16 / bf16 where ``half`` is 1 / 2 (rounding is symmetric: +-level * unit rounds
+    to +- the rounded magnitude)."""
     mask = (1 << top) - 1
     m32 = np.int32(mask)
     sbit = np.int32(1 << top)
@@ -240,10 +256,21 @@ def qsgd(codes, unit, top, size, i0, i1, out, s, w, add):
         if add:  # level * (+-unit): a select of two scalars, ~2x faster than a signed level
             t = s[i - i0:e - i0]  # (a zero level may give -0.0: the same sum, which is never -0.0)
             nu = -u
-            for j in range(e - i):
-                cj = np.int32(c[j])
-                uu = nu if np.int32(cj & sbit) else u
-                t[j] = _fma(w, np.float64(_F32(np.int32(cj & m32)) * uu), t[j])
+            if half == 1:
+                for j in range(e - i):
+                    cj = np.int32(c[j])
+                    uu = nu if np.int32(cj & sbit) else u
+                    t[j] = _fma(w, np.float64(_as_half(_F32(np.int32(cj & m32)) * uu, 1)), t[j])
+            elif half == 2:
+                for j in range(e - i):
+                    cj = np.int32(c[j])
+                    uu = nu if np.int32(cj & sbit) else u
+                    t[j] = _fma(w, np.float64(_as_half(_F32(np.int32(cj & m32)) * uu, 2)), t[j])
+            else:
+                for j in range(e - i):
+                    cj = np.int32(c[j])
+                    uu = nu if np.int32(cj & sbit) else u
+                    t[j] = _fma(w, np.float64(_F32(np.int32(cj & m32)) * uu), t[j])
         else:
             o = out[i - i0:e - i0]
             for j in range(e - i):
@@ -1530,12 +1557,14 @@ def _block_sq(kind, c, prm, b, size, bits, levels, i0, i1):
 
 
 @njit(inline="always")
-def _block_add(kind, c, prm, b, size, bits, i0, i1, s, w, no):
-    """s += w * values of codes c[i0:i1] of kbit (lo, scale), qsgd (norm / levels) or sign (scale)."""
+def _block_add(kind, c, prm, b, size, bits, i0, i1, s, w, no, half):
+    """s += w * values of codes c[i0:i1] of kbit (lo, scale), qsgd (norm / levels) or sign (scale);
+    kbit's and qsgd's rounded to fp16 / bf16 where ``half`` is 1 / 2 (sign's scales are rounded
+    already: ``quantizers.Sign._round_tables``)."""
     if kind == BLOCK_KBIT:
-        kbit(c, prm[0, b:], prm[1, b:], size, i0, i1, no, s, w, True)
+        kbit(c, prm[0, b:], prm[1, b:], size, i0, i1, no, s, w, True, half)
     elif kind == BLOCK_QSGD:
-        qsgd(c, prm[0, b:], bits - 1, size, i0, i1, no, s, w, True)
+        qsgd(c, prm[0, b:], bits - 1, size, i0, i1, no, s, w, True, half)
     else:
         sign(c, prm[0, b:], size, i0, i1, no, s, w, True)
 
@@ -1545,9 +1574,9 @@ def _block_values(kind, c, prm, b, size, bits, i0, i1, out):
     """out = the fp32 values of codes c[i0:i1] of kbit, qsgd or sign (as :func:`_block_add` adds them)."""
     no = np.empty(0, dtype=np.float64)
     if kind == BLOCK_KBIT:
-        kbit(c, prm[0, b:], prm[1, b:], size, i0, i1, out, no, 0.0, False)
+        kbit(c, prm[0, b:], prm[1, b:], size, i0, i1, out, no, 0.0, False, 0)
     elif kind == BLOCK_QSGD:
-        qsgd(c, prm[0, b:], bits - 1, size, i0, i1, out, no, 0.0, False)
+        qsgd(c, prm[0, b:], bits - 1, size, i0, i1, out, no, 0.0, False, 0)
     else:
         sign(c, prm[0, b:], size, i0, i1, out, no, 0.0, False)
 
@@ -1577,12 +1606,11 @@ def block_sq_run(kind, body, coffs, ns, p0, params, block, bits, levels, chunk, 
 
 
 @njit(cache=True, nogil=True)
-def block_add_runs(kind, bodies, coffs, ns, p0, params, block, bits, sums, w, chunk, codes, halves, vals):
+def block_add_runs(kind, bodies, coffs, ns, p0, params, block, bits, sums, w, chunk, codes, halves):
     """Add replies r (payload bodies at bodies[r], parameter rows params[r]) of kbit, qsgd or sign
     into the float64 sums (segment s's at sums[s]) with weights w[r]: per segment, per ``chunk``
     elements of its sum, every reply in order (the per-segment path's additions, in its order:
-    the same bits). halves[s] 1 / 2: values rounded to fp16 / bf16 first (:func:`add_rounded`;
-    ``vals``: chunk-sized fp32 scratch)."""
+    the same bits). halves[s] 1 / 2: values rounded to fp16 / bf16 first, in the add's loop."""
     no = np.empty(0, dtype=np.float32)
     for s in range(ns.shape[0]):
         n = ns[s]
@@ -1596,12 +1624,7 @@ def block_add_runs(kind, bodies, coffs, ns, p0, params, block, bits, sums, w, ch
             for r in range(bodies.shape[0]):
                 body = carray(_u8_at(bodies[r]), (end,))
                 c = _codes(body, coffs[s] + a * bits // 8, j - a, bits, codes)
-                if halves[s]:
-                    v = vals[:j - i]
-                    _block_values(kind, c, params[r], b, size, bits, i - a, j - a, v)
-                    add_rounded(v, halves[s] == 2, sm[i:j], w[r])
-                else:
-                    _block_add(kind, c, params[r], b, size, bits, i - a, j - a, sm[i:j], w[r], no)
+                _block_add(kind, c, params[r], b, size, bits, i - a, j - a, sm[i:j], w[r], no, halves[s])
 
 
 @njit(cache=True, nogil=True)

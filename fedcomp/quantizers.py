@@ -578,7 +578,7 @@ class _BlockRuns:
         first = runs[0]
         k.block_add_runs(getattr(k, self._run_kind), np.array([r.address for r in runs], dtype=np.int64), first.coffs,
                          first.ns, first.p0, np.stack([r.params for r in runs]), self._run_block, self._run_bits, sums,
-                         w, chunk, self._run_scratch(chunk), first.halves_or_zeros(), _run_scratch(chunk)[0])
+                         w, chunk, self._run_scratch(chunk), first.halves_or_zeros())
 
 
 class _RawRuns:
@@ -1321,7 +1321,7 @@ class KBit(_BlockRuns, _EntropyCoded, Quantizer):
             levels = (1 << self.config.bits) - 1
 
             def run(a, b, i0, i1, out, s, w, add):
-                k.kbit(codes.host(a, b, k), lo_np[a // size:], scale_np[a // size:], size, i0, i1, out, s, w, add)
+                k.kbit(codes.host(a, b, k), lo_np[a // size:], scale_np[a // size:], size, i0, i1, out, s, w, add, 0)
 
             def sq(a, b, i0, i1):
                 return k.kbit_sq(codes.host(a, b, k), lo_np[a // size:], scale_np[a // size:], size, i0, i1, levels)
@@ -1495,7 +1495,7 @@ class QSGD(_BlockRuns, _EntropyCoded, Quantizer):
             codes = self._read_codes(src, count, device)
 
             def run(a, b, i0, i1, out, s, w, add):
-                k.qsgd(codes.host(a, b, k), per_level[a // size:], top, size, i0, i1, out, s, w, add)
+                k.qsgd(codes.host(a, b, k), per_level[a // size:], top, size, i0, i1, out, s, w, add, 0)
 
             def sq(a, b, i0, i1):
                 return k.qsgd_sq(codes.host(a, b, k), per_level[a // size:], top, size, i0, i1)
