@@ -334,3 +334,30 @@ def test_a_value_beyond_a_half_tensors_range_is_refused_as_the_per_segment_path_
         else:
             with pytest.raises(aggregate.UpdateRejected, match="'h'"):
                 acc.decode(bytes(payload))
+
+
+@pytest.mark.parametrize("spec", ["kbit(bits=4)", "qsgd(bits=4)", "none()", "fp16()"])
+def test_half_tensors_beyond_a_part_check_to_the_per_segment_norm(spec, monkeypatch):
+    """fp16 / bf16 tensors of more than 2**18 values (several parts of the sums of squares per
+    chunk of aggregate.CHUNK): the norm read at once has the per-segment path's bits."""
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    g = torch.Generator().manual_seed(4)
+    model = {"h": (torch.randn(300_001, generator=g) * 50).half(), "hb": torch.randn(600, 700, generator=g).bfloat16(),
+             "w": torch.randn(1000, generator=g)}
+    codec = fedcomp.build_codec(spec)
+    layout = fedcomp.Layout.of(model)
+    payload = codec.encode(model, nonce=2).payload
+    results = []
+    for runs_on in (True, False):
+        with monkeypatch.context() as m:
+            if not runs_on:
+                m.setattr(codec_module.Codec, "read_run", lambda *a, **kw: None)
+            acc = aggregate.Accumulator(codec, layout)
+            update = acc.decode(payload)
+            assert (update.run is not None) == runs_on
+            norm = update.norm()
+            acc.add_update(update, 0.7)
+            results.append((norm, acc.sum()))
+    assert results[0][0] == results[1][0]
+    for name in model:
+        assert torch.equal(results[0][1][name], results[1][1][name]), name
