@@ -1658,25 +1658,35 @@ def _raw_half_bits(raw, kind, brain, vals, h16):
         to_half(vals, brain, _F32(np.inf), h16)
 
 
+@njit(inline="always")
+def _raw_part_sq(raw, kind, half, vals, h16):
+    """Sum of squares of one part (<= SQ_PART values) of raw values ``raw`` (bytes; kind 0: fp32,
+    1: fp16, 2: bf16); rounded to fp16 / bf16 first where ``half`` is 1 / 2 and the values are of
+    another kind (``vals`` / ``h16``: scratch of the part's length)."""
+    if half != 0 and half != kind:
+        _raw_half_bits(raw, kind, half == 2, vals, h16)
+        return _half_sq_part(h16, half == 2)
+    return _sumsq_part(raw.view(np.float32)) if kind == 0 else _half_sq_part(raw.view(np.uint16), kind == 2)
+
+
 @njit(cache=True, nogil=True)
 def raw_sq_run(body, coffs, ns, kind, chunk, halves, vals, h16, out):
     """Per segment, the sum of squares of raw values (kind 0: fp32, 1: fp16, 2: bf16), ``chunk``
-    at a time (:func:`sumsq`, :func:`half_sq`); of the values rounded to fp16 / bf16 where
-    halves[s] is 1 / 2 and the values are of another kind (``vals`` / ``h16``: chunk-sized scratch)."""
+    at a time, each chunk's in parts of SQ_PART as :func:`sumsq` / :func:`half_sq` form it; of the
+    values rounded to fp16 / bf16 where halves[s] is 1 / 2 and the values are of another kind
+    (:func:`_raw_part_sq`; ``vals`` / ``h16``: scratch of a chunk)."""
     width = 4 if kind == 0 else 2
     for s in range(ns.shape[0]):
         n = ns[s]
         o = coffs[s]
-        rnd = halves[s] != 0 and halves[s] != kind
         tot = 0.0
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
-            raw = body[o + width * i:o + width * j]
-            if rnd:
-                _raw_half_bits(raw, kind, halves[s] == 2, vals[:j - i], h16[:j - i])
-                tot += half_sq(h16[:j - i], halves[s] == 2)
-            else:
-                tot += sumsq(raw.view(np.float32)) if kind == 0 else half_sq(raw.view(np.uint16), kind == 2)
+            part = 0.0
+            for a in range(i, j, SQ_PART):
+                e = min(j, a + SQ_PART)
+                part += _raw_part_sq(body[o + width * a:o + width * e], kind, halves[s], vals[:e - a], h16[:e - a])
+            tot += part
         out[s] = tot
 
 
@@ -1700,20 +1710,13 @@ def raw_crc_sq_run(body, coffs, ns, kind, chunk, fn, crc, halves, vals, h16, out
         o = coffs[s]
         if o > at:
             crc = _call_crc32(fn, crc, base + at, o - at)
-        rnd = halves[s] != 0 and halves[s] != kind
         tot = 0.0
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
             part = 0.0
             for a in range(i, j, SQ_PART):
                 e = min(j, a + SQ_PART)
-                raw = body[o + width * a:o + width * e]
-                if rnd:
-                    _raw_half_bits(raw, kind, halves[s] == 2, vals[:e - a], h16[:e - a])
-                    part += _half_sq_part(h16[:e - a], halves[s] == 2)
-                else:
-                    part += _sumsq_part(raw.view(np.float32)) if kind == 0 else \
-                        _half_sq_part(raw.view(np.uint16), kind == 2)
+                part += _raw_part_sq(body[o + width * a:o + width * e], kind, halves[s], vals[:e - a], h16[:e - a])
                 crc = _call_crc32(fn, crc, base + o + width * a, width * (e - a))
             tot += part
         out[s] = tot

@@ -486,20 +486,20 @@ class RunReply:
         self.quantizer, self.body, self.ns, self.coffs, self.params, self.p0 = quantizer, body, ns, coffs, params, p0
         self.read = read
         self.address = body.ctypes.data
+        # per segment 0, or 1 / 2: a model's fp16 / bf16 tensor (set_halves)
+        self.halves = np.zeros(ns.shape[0], dtype=np.int64)
 
     sums: tuple[int, np.ndarray] | None = None  # (chunk, sq(chunk)) computed while reading (Codec.read_run)
-    halves: np.ndarray | None = None  # per segment 0, or 1 / 2: a model's fp16 / bf16 tensor (set_halves)
 
     def set_halves(self, halves: np.ndarray) -> None:
         """Mark the segments that are a model's fp16 (1) or bf16 (2) tensor (0: fp32 or float64):
         their values are checked and added rounded to that dtype, as the per-segment path's
-        ``.to(dtype)`` rounds them (values from per-block or per-segment tables, rounded here)."""
+        ``.to(dtype)`` rounds them: by the kernels value by value, or here once per table of values
+        (quantizers with ``_round_tables``: sign's scales, the 2-bit codes' four values)."""
         self.halves = halves
-        if halves.any():
-            self.quantizer._round_tables(self, halves)
-
-    def halves_or_zeros(self) -> np.ndarray:
-        return self.halves if self.halves is not None else np.zeros(self.ns.shape[0], dtype=np.int64)
+        round_tables = getattr(self.quantizer, "_round_tables", None)
+        if round_tables is not None and halves.any():
+            round_tables(self, halves)
 
     def sq(self, chunk: int) -> np.ndarray:
         """Per segment, the sum of squares of its values (float64; inf or NaN where one is not
@@ -566,19 +566,16 @@ class _BlockRuns:
         out = np.empty(run.ns.shape[0], dtype=np.float64)
         bits = self._run_bits
         k.block_sq_run(getattr(k, self._run_kind), run.body, run.coffs, run.ns, run.p0, run.params, self._run_block,
-                       bits, (1 << bits) - 1, chunk, self._run_scratch(chunk), run.halves_or_zeros(),
+                       bits, (1 << bits) - 1, chunk, self._run_scratch(chunk), run.halves,
                        *_run_scratch(chunk), out)
         return out
-
-    def _round_tables(self, run: RunReply, halves: np.ndarray) -> None:
-        """Values built from codes: the kernels round each (``halves``)."""
 
     def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
         """Add replies ``runs`` (weights ``w``) into the float64 sums at addresses ``sums``."""
         first = runs[0]
         k.block_add_runs(getattr(k, self._run_kind), np.array([r.address for r in runs], dtype=np.int64), first.coffs,
                          first.ns, first.p0, np.stack([r.params for r in runs]), self._run_block, self._run_bits, sums,
-                         w, chunk, self._run_scratch(chunk), first.halves_or_zeros())
+                         w, chunk, self._run_scratch(chunk), first.halves)
 
 
 class _RawRuns:
@@ -592,11 +589,8 @@ class _RawRuns:
 
     def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
         out = np.empty(run.ns.shape[0], dtype=np.float64)
-        k.raw_sq_run(run.body, run.coffs, run.ns, self._raw_kind, chunk, run.halves_or_zeros(), *_run_scratch(chunk), out)
+        k.raw_sq_run(run.body, run.coffs, run.ns, self._raw_kind, chunk, run.halves, *_run_scratch(chunk), out)
         return out
-
-    def _round_tables(self, run: RunReply, halves: np.ndarray) -> None:
-        """Raw values: the kernels round each (``halves``)."""
 
     def crc_sq(self, run: RunReply, chunk: int, fn: int, payload: bytes) -> None:
         """Verify the payload's CRC32 and compute ``run.sq(chunk)`` in one read of the values
@@ -606,7 +600,7 @@ class _RawRuns:
         view = memoryview(payload).cast("B")
         out = np.empty(run.ns.shape[0], dtype=np.float64)
         crc, end = kernels.get().raw_crc_sq_run(run.body, run.coffs, run.ns, self._raw_kind, chunk, fn,
-                                                np.uint32(crc32(view[:HEADER_BYTES])), run.halves_or_zeros(),
+                                                np.uint32(crc32(view[:HEADER_BYTES])), run.halves,
                                                 *_run_scratch(chunk), out)
         crc = crc32(view[HEADER_BYTES + end:-TRAILER_BYTES], int(crc))
         if crc != int.from_bytes(view[-TRAILER_BYTES:], "little"):
@@ -615,7 +609,7 @@ class _RawRuns:
 
     def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
         k.raw_add_runs(np.array([r.address for r in runs], dtype=np.int64), runs[0].coffs, runs[0].ns, self._raw_kind,
-                       sums, w, chunk, runs[0].halves_or_zeros(), _run_scratch(chunk)[0])
+                       sums, w, chunk, runs[0].halves, _run_scratch(chunk)[0])
 
 
 class _TernaryRuns:
