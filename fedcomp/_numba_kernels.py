@@ -524,10 +524,10 @@ def add_rounded(values, brain, s, w):
     :func:`to_half`'s bits), in one loop."""
     if brain:
         for j in range(values.shape[0]):
-            s[j] = _fma(w, np.float64(_half(_to_half1(values[j], True), True)), s[j])
+            s[j] = _fma(w, np.float64(_as_half(values[j], 2)), s[j])
     else:
         for j in range(values.shape[0]):
-            s[j] = _fma(w, np.float64(_half(_to_half1(values[j], False), False)), s[j])
+            s[j] = _fma(w, np.float64(_as_half(values[j], 1)), s[j])
 
 
 @njit(cache=True, nogil=True)

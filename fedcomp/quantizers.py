@@ -512,10 +512,14 @@ class RunReply:
 HALF_CODES = {torch.float16: 1, torch.bfloat16: 2}  # RunReply.halves' codes of a model's half tensors
 
 
-def _rounded(values: np.ndarray, half: int) -> np.ndarray:
-    """fp32 ``values`` rounded to fp16 (``half`` 1) or bf16 (2), as fp32 (torch's conversions)."""
-    dtype = next(d for d, code in HALF_CODES.items() if code == half)
-    return torch.from_numpy(np.ascontiguousarray(values)).to(dtype).float().numpy()
+def _round_by(values: np.ndarray, halves: np.ndarray) -> None:
+    """Round fp32 ``values`` in place to fp16 where ``halves`` (broadcast to them) is 1, to bf16
+    where it is 2 (torch's conversions); the rest stay."""
+    halves = np.broadcast_to(halves, values.shape)
+    for dtype, code in HALF_CODES.items():
+        at = halves == code
+        if at.any():
+            values[at] = torch.from_numpy(values[at]).to(dtype).float().numpy()
 
 
 def _run_scratch(chunk: int) -> tuple[np.ndarray, np.ndarray]:
@@ -631,10 +635,7 @@ class _TernaryRuns:
 
     def _round_tables(self, run: RunReply, halves: np.ndarray) -> None:
         """Every value is one of its segment's four: a half segment's row rounded once."""
-        for half in (1, 2):
-            rows = np.flatnonzero(halves == half)
-            if rows.shape[0]:
-                run.params[rows] = _rounded(run.params[rows], half)
+        _round_by(run.params, halves[:, None])
 
     def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
         k.ternary_add_runs(np.array([r.address for r in runs], dtype=np.int64), runs[0].coffs, runs[0].ns,
@@ -1003,11 +1004,7 @@ class Sign(_BlockRuns, Quantizer):
     def _round_tables(self, run: RunReply, halves: np.ndarray) -> None:
         """Every value is +-scale: a half segment's scales rounded once (the check's squares; the
         add rounds each value again, to the same value)."""
-        per_block = np.repeat(halves, np.diff(run.p0))
-        for half in (1, 2):
-            at = np.flatnonzero(per_block == half)
-            if at.shape[0]:
-                run.params[0, at] = _rounded(run.params[0, at], half)
+        _round_by(run.params[0], np.repeat(halves, np.diff(run.p0)))
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
         """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.sign_run`); the scales
