@@ -693,6 +693,13 @@ class Identity(_RawRuns, Quantizer):
             region[o:o + 4 * n].view(np.float32)[:] = x.numpy()
         ok[:] = True
 
+    def _run_crc(self, k, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
+        """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it copies, each part as
+        it is read (:func:`fedcomp._numba_kernels.raw_run_crc`); returns the CRC."""
+        crc = k.raw_run_crc(ptrs, ns, offs, region, fn, np.uint32(crc))
+        ok[:] = True
+        return int(crc)
+
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         return src.tensor(count, torch.float32).to(device)
 

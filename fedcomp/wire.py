@@ -17,7 +17,8 @@ the host once (``Writer.getvalue``); decoding reads through ``Reader``, which ch
 length before it slices.
 
 Copies: where the payload's size is known before encoding (dense codecs: ``Writer(size=...)``),
-the final ``bytes`` is allocated first (in huge pages where large) and the quantizers write their
+the final ``bytes`` is allocated first (in huge pages where large; a large payload of the same size
+that nothing refers to any more is written again, :func:`_reused`) and the quantizers write their
 codes into it (:meth:`Writer.empty`): no body byte is copied. Otherwise an encode copies each body
 part once, into the final ``bytes`` (on CUDA: once to pinned host memory, then once into the
 bytes). A decode reads the payload in place (no slice of it is copied) and copies only the
@@ -29,8 +30,10 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import struct
 import sys
+import threading
 import warnings
 import zlib
 
@@ -86,9 +89,81 @@ class _Hold:
         self.__array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (address, False), "version": 3}
 
 
+def _hash_slot(api) -> bool:
+    """Whether a bytes object's cached hash sits just before its data (CPython's ``ob_shash``,
+    read here from one probe object): :func:`_reused` then clears it. False where it does not
+    (another layout, a free-threaded build): payloads are then never reused."""
+    if api is None or not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return False
+    new, address, _ = api
+    probe = new(None, 16)
+    ctypes.memmove(address(probe), b"fedcomp-hashslot", 16)
+    slot = ctypes.c_ssize_t.from_address(address(probe) - 8)
+    if slot.value != -1:  # not hashed yet
+        return False
+    h = hash(probe)  # caches it there
+    return slot.value == h
+
+
+def _spare_count() -> int:
+    raw = os.environ.get("FEDCOMP_SPARE_PAYLOADS", "2")
+    try:
+        count = int(raw)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"FEDCOMP_SPARE_PAYLOADS={raw!r}: expected a count of payloads, 0 or more (0: none kept)")
+    return count
+
+
+_SPARES: list[bytes] = []  # the large payloads made last (at most _spare_count()), to be reused
+_SPARES_LOCK = threading.Lock()
+_HASH_SLOT = _hash_slot(_BYTES_API)
+
+
+def _reused(n: int) -> bytes | None:
+    """A payload of n bytes this process made before and that nothing refers to any more (its
+    only reference is :data:`_SPARES`'), its cached hash cleared; None where there is none.
+
+    Why: fresh memory costs the kernel's zeroing of every page on first touch. A 100 MB payload
+    into fresh huge pages measured ~3.4 read passes of the update, the page faults alone ~2.2
+    (2026-11-26), against ``y.copy_(x)``'s ~2 into reused memory. A process that encodes round
+    after round (a simulation's workers, a server's broadcasts) writes its next payload of the
+    same size into the last one's memory. Sound because nothing can see the object: no Python
+    reference is left (a memoryview, numpy or torch view of it holds one), and the one state a
+    bytes keeps, its hash, is reset. The cost: up to ``FEDCOMP_SPARE_PAYLOADS`` (default 2)
+    payloads of 4 MB or more stay allocated after their last use; 0 keeps none."""
+    if not _HASH_SLOT:
+        return None
+    with _SPARES_LOCK:
+        for i in range(len(_SPARES)):
+            # two references: the list's and getrefcount's argument
+            if len(_SPARES[i]) == n and sys.getrefcount(_SPARES[i]) == 2:
+                data = _SPARES.pop(i)
+                _SPARES.append(data)
+                ctypes.c_ssize_t.from_address(_BYTES_API[1](data) - 8).value = -1
+                return data
+    return None
+
+
+def _keep(data: bytes) -> None:
+    count = _spare_count()
+    with _SPARES_LOCK:
+        _SPARES.append(data)
+        del _SPARES[:max(0, len(_SPARES) - count)]
+
+
+def release_spares() -> None:
+    """Drop the payloads kept for reuse (:func:`_reused`), so their memory returns to the system
+    once nothing else holds them."""
+    with _SPARES_LOCK:
+        _SPARES.clear()
+
+
 def _fresh_bytes(n: int) -> tuple[bytes, np.ndarray] | None:
-    """A new ``bytes`` of n uninitialised bytes and a writable numpy view of them (the view keeps
-    the bytes alive), its memory advised to huge pages; None where that is not available.
+    """A ``bytes`` of n uninitialised bytes nobody else refers to and a writable numpy view of
+    them (the view keeps the bytes alive), its memory advised to huge pages; None where that is
+    not available. A spare payload of n bytes is reused (:func:`_reused`).
 
     Why: the first write to fresh memory faults every 4 kB page. A 100 MB payload built by
     ``b"".join`` measured 13.5-14.4 read passes of the update, ~3.1-3.4 in huge pages (2026-11-23,
@@ -96,15 +171,20 @@ def _fresh_bytes(n: int) -> tuple[bytes, np.ndarray] | None:
     ``PyBytes_FromStringAndSize(NULL, n)`` before anything else sees it is what CPython's C API
     documents for such an object; Linux's default THP mode ("madvise") then backs it with 2 MB
     pages, as numpy does for its own large buffers. Nothing writes to it after :class:`Writer`
-    returns it."""
+    returns it, until every reference to it is gone."""
     if _BYTES_API is None:
         return None
     new, address, madvise = _BYTES_API
+    data = _reused(n)
+    if data is not None:
+        return data, np.asarray(_Hold(data, address(data), n))
     data = new(None, n)
     start = address(data)
     lo, hi = -(-start // _PAGE) * _PAGE, (start + n) // _PAGE * _PAGE
     if hi > lo:
         madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: a refusal leaves 4 kB pages
+    if _HASH_SLOT:
+        _keep(data)
     return data, np.asarray(_Hold(data, start, n))
 
 

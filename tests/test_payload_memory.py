@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,3 +159,107 @@ def test_large_elementwise_results_go_into_fresh_buffers_with_the_same_values():
     enc, residual = compress(codec, {"w": t}, {"w": r}, nonce=3)
     decoded = codec.decode(enc.payload, fedcomp.Layout.of({"w": t}))["w"]
     assert torch.equal(residual["w"], (t + r) - decoded)
+
+
+class _Counting:
+    """wire._BYTES_API with its allocator counted."""
+
+    def __init__(self, api):
+        self.api, self.made = api, 0
+
+    def __iter__(self):
+        new, address, madvise = self.api
+
+        def counted(ptr, n):
+            self.made += 1
+            return new(ptr, n)
+        return iter((counted, address, madvise))
+
+
+@pytest.fixture
+def spares(monkeypatch):
+    """A clean pool of spare payloads whose allocations are counted."""
+    if not wire._HASH_SLOT:
+        pytest.skip("this interpreter's bytes layout is not CPython's: payloads are never reused")
+    wire.release_spares()
+    monkeypatch.setattr(wire, "HUGE", 1 << 20)  # every _large payload built in place
+    counting = _Counting(wire._BYTES_API)
+    monkeypatch.setattr(wire, "_BYTES_API", tuple(counting))
+    yield counting
+    wire.release_spares()
+
+
+def _large(seed: int) -> dict[str, torch.Tensor]:  # payloads of 1 MB or more
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(7, generator=g), "b": torch.randn(1_100_003, generator=g)}
+
+
+@pytest.mark.parametrize("kernels", ["0", "1"])
+@pytest.mark.parametrize("spec", ["none()", "fp16()", "kbit(bits=8)"])
+def test_a_payload_nothing_refers_to_is_written_again_and_a_held_one_never(spec, kernels, spares, monkeypatch):
+    monkeypatch.setenv("FEDCOMP_KERNELS", kernels)
+    codec = fedcomp.build_codec(spec)
+    want = {}
+    with monkeypatch.context() as m:
+        m.setenv("FEDCOMP_SPARE_PAYLOADS", "0")  # every payload fresh
+        for seed in range(4):
+            want[seed] = codec.encode(_large(seed), nonce=seed).payload
+    wire.release_spares()
+    monkeypatch.setenv("FEDCOMP_SPARE_PAYLOADS", "3")
+    spares.made = 0
+    first = codec.encode(_large(0), nonce=0).payload
+    second = codec.encode(_large(1), nonce=1).payload  # the first is held: a new one
+    assert spares.made == 2 and first == want[0] and second == want[1]
+    hashes = {hash(first), hash(second)}  # cached in the objects
+    views = [memoryview(first), np.frombuffer(second, dtype=np.uint8)]
+    del first, second
+    third = codec.encode(_large(2), nonce=2).payload  # views refer to both: a new one
+    assert spares.made == 3 and bytes(views[0]) == want[0] and views[1].tobytes() == want[1] and third == want[2]
+    hashes.add(hash(third))
+    del views, third
+    gc.collect()
+    again = codec.encode(_large(3), nonce=3).payload  # nothing refers to the spares: one is written
+    assert spares.made == 3 and again == want[3]
+    assert hash(again) == hash(bytes(bytearray(again))) and hash(again) not in hashes  # the cached hash cleared
+    layout = fedcomp.Layout.of(_large(3))
+    assert all(torch.equal(t, codec.decode(want[3], layout)[n]) for n, t in codec.decode(again, layout).items())
+
+
+def test_spare_payloads_are_bounded_can_be_released_or_turned_off(spares, monkeypatch):
+    codec = fedcomp.build_codec("none()")
+    for seed in range(5):
+        codec.encode(_large(seed), nonce=seed)
+    assert len(wire._SPARES) == 1 and spares.made == 1  # one size, each payload dropped before the next
+    held = [codec.encode(_large(seed), nonce=seed).payload for seed in range(4)]
+    assert len(wire._SPARES) == 2 and spares.made == 4 and len({id(p) for p in held}) == 4
+    del held
+    wire.release_spares()
+    assert wire._SPARES == []
+    monkeypatch.setenv("FEDCOMP_SPARE_PAYLOADS", "0")
+    codec.encode(_large(0), nonce=0)
+    codec.encode(_large(0), nonce=0)
+    assert wire._SPARES == [] and spares.made == 6
+    monkeypatch.setenv("FEDCOMP_SPARE_PAYLOADS", "two")
+    with pytest.raises(ValueError, match="FEDCOMP_SPARE_PAYLOADS='two'.*0 or more"):
+        codec.encode(_large(0), nonce=0)
+
+
+def test_payloads_are_never_reused_where_the_bytes_layout_is_unknown(spares, monkeypatch):
+    monkeypatch.setattr(wire, "_HASH_SLOT", False)
+    codec = fedcomp.build_codec("none()")
+    for seed in range(3):
+        codec.encode(_large(seed), nonce=seed)
+    assert spares.made == 3 and wire._SPARES == []
+
+
+def test_threads_encoding_at_once_each_get_their_own_payload(spares):
+    from concurrent.futures import ThreadPoolExecutor
+
+    codec = fedcomp.build_codec("none()")
+    updates = [_large(seed) for seed in range(4)]
+    want = [bytes(bytearray(codec.encode(u, nonce=i).payload)) for i, u in enumerate(updates)]
+
+    def work(i: int) -> bool:
+        return all(codec.encode(updates[i], nonce=i).payload == want[i] for _ in range(6))
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(4)))
