@@ -124,6 +124,7 @@ class Codec:
         # payloads carry the newest format a stage writes; older formats of it still decode
         self.wire_version = max(s.wire_version for s in stages)
         self._segment_cache: dict[Layout, tuple] = {}  # segments() of recent layouts
+        self._dense_cache: dict[Layout, int | None] = {}  # _dense_size() of recent layouts
 
     @property
     def selector(self) -> Reducer | None:
@@ -290,10 +291,15 @@ class Codec:
         codes), else None: the writer then builds the payload in place (:meth:`Writer.empty`)."""
         if self.reducer is not None:
             return None
-        try:
-            return self._size(layout, segments, None, None)
-        except ValueError:  # entropy-coded values
-            return None
+        cache = self._dense_cache
+        if layout not in cache:  # kept beside the segments (~0.3 ms for 161 tensors)
+            if len(cache) >= 8:
+                cache.clear()
+            try:
+                cache[layout] = self._size(layout, segments, None, None)
+            except ValueError:  # entropy-coded values
+                cache[layout] = None
+        return cache[layout]
 
     @property
     def _sparse_expand(self) -> bool:

@@ -45,6 +45,9 @@ class TensorSpec(NamedTuple):
         return self.torch_dtype.is_floating_point
 
 
+_RECENT: dict[tuple, "Layout"] = {}  # Layout.of of recent (name, shape, dtype) tuples
+
+
 @dataclass(frozen=True)
 class Layout:
     """The ordered tensors of a model. Encoders and decoders must agree on it."""
@@ -53,7 +56,21 @@ class Layout:
 
     @classmethod
     def of(cls, tensors: Mapping[str, torch.Tensor]) -> "Layout":
-        """The layout of a mapping of named tensors, in the mapping's order."""
+        """The layout of a mapping of named tensors, in the mapping's order: the same object for
+        the names, shapes and dtypes of one of the last few calls, so what a layout caches (its
+        fingerprint, a codec's segments) is computed once. Why: building it cost ~0.5 ms for a
+        ResNet-50's 161 tensors, its fingerprint ~0.2 ms more, on every encode."""
+        key = tuple((name, t.shape, t.dtype) for name, t in tensors.items())
+        found = _RECENT.get(key)
+        if found is None:
+            found = cls._of(tensors)
+            if len(_RECENT) >= 8:
+                _RECENT.clear()
+            _RECENT[key] = found
+        return found
+
+    @classmethod
+    def _of(cls, tensors: Mapping[str, torch.Tensor]) -> "Layout":
         specs = []
         for name, t in tensors.items():
             dtype = str(t.dtype).removeprefix("torch.")

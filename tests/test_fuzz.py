@@ -394,3 +394,22 @@ def test_hostile_broadcast_records_get_error_replies(edits, round_):
     assert isinstance(reply, Message)
     if reply.has_error():
         assert reply.error.reason.startswith("fedcomp") or "compression_mod" in reply.error.reason
+
+
+def test_layouts_of_recent_tensors_are_one_object_and_any_change_a_new_one():
+    import fedcomp.layout as layout_module
+
+    model = fuzz.model()
+    first = fedcomp.Layout.of(model)
+    assert fedcomp.Layout.of(dict(model)) is first  # the same names, shapes and dtypes
+    assert first == layout_module.Layout._of(model) and first.fingerprint() == layout_module.Layout._of(model).fingerprint()
+    name, t = next(iter(model.items()))
+    changed = [{**model, name: t.reshape(-1)}, {**model, name: t.double()}, dict(reversed(list(model.items()))),
+               {"other": t, **{k: v for k, v in model.items() if k != name}}]
+    for other in changed:
+        got = fedcomp.Layout.of(other)
+        assert got is not first and got != first and got == layout_module.Layout._of(other)
+    for n in range(12):  # past the cache's 8: it starts over, the layouts stay right
+        assert fedcomp.Layout.of({"w": torch.zeros(n + 1)}).tensors[0].shape == (n + 1,)
+    with pytest.raises(fedcomp.SpecError, match="complex64"):
+        fedcomp.Layout.of({"z": torch.zeros(2, dtype=torch.complex64)})
