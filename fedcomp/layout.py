@@ -60,7 +60,8 @@ class Layout:
         the names, shapes and dtypes of one of the last few calls, so what a layout caches (its
         fingerprint, a codec's segments) is computed once. Why: building it cost ~0.5 ms for a
         ResNet-50's 161 tensors, its fingerprint ~0.2 ms more, on every encode."""
-        key = tuple((name, t.shape, t.dtype) for name, t in tensors.items())
+        # keyed on what the layout keeps (names as str: 1, 1.0 and True are one dict key, three names)
+        key = tuple((str(name), tuple(t.shape), t.dtype) for name, t in tensors.items())
         found = _RECENT.get(key)
         if found is None:
             found = cls._of(tensors)

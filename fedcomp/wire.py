@@ -106,7 +106,7 @@ def _hash_slot(api) -> bool:
 
 
 def _spare_count() -> int:
-    raw = os.environ.get("FEDCOMP_SPARE_PAYLOADS", "2")
+    raw = os.environ.get("FEDCOMP_SPARE_PAYLOADS") or "2"  # unset or empty: the default
     try:
         count = int(raw)
     except ValueError:
@@ -146,8 +146,8 @@ def _reused(n: int) -> bytes | None:
     return None
 
 
-def _keep(data: bytes) -> None:
-    count = _spare_count()
+def _keep(data: bytes, count: int) -> None:
+    """Keep ``data`` among the last ``count`` payloads made (0: keep none, drop those kept)."""
     with _SPARES_LOCK:
         _SPARES.append(data)
         del _SPARES[:max(0, len(_SPARES) - count)]
@@ -175,7 +175,8 @@ def _fresh_bytes(n: int) -> tuple[bytes, np.ndarray] | None:
     if _BYTES_API is None:
         return None
     new, address, madvise = _BYTES_API
-    data = _reused(n)
+    count = _spare_count() if _HASH_SLOT else 0
+    data = _reused(n) if count else None
     if data is not None:
         return data, np.asarray(_Hold(data, address(data), n))
     data = new(None, n)
@@ -184,7 +185,7 @@ def _fresh_bytes(n: int) -> tuple[bytes, np.ndarray] | None:
     if hi > lo:
         madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: a refusal leaves 4 kB pages
     if _HASH_SLOT:
-        _keep(data)
+        _keep(data, count)
     return data, np.asarray(_Hold(data, start, n))
 
 

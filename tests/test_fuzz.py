@@ -7,6 +7,7 @@ and never allocates more than the layout and payload size justify.
 
 from __future__ import annotations
 
+import enum
 import json
 import struct
 import zlib
@@ -396,6 +397,10 @@ def test_hostile_broadcast_records_get_error_replies(edits, round_):
         assert reply.error.reason.startswith("fedcomp") or "compression_mod" in reply.error.reason
 
 
+class _Name(str, enum.Enum):
+    W = "w"
+
+
 def test_layouts_of_recent_tensors_are_one_object_and_any_change_a_new_one():
     import fedcomp.layout as layout_module
 
@@ -409,6 +414,11 @@ def test_layouts_of_recent_tensors_are_one_object_and_any_change_a_new_one():
     for other in changed:
         got = fedcomp.Layout.of(other)
         assert got is not first and got != first and got == layout_module.Layout._of(other)
+    for names in ([1, True, 1.0], ["w", _Name.W]):  # equal dict keys, different names
+        for name in names:
+            assert fedcomp.Layout.of({name: t}).names == (str(name),)
+    listed = type("Listed", (), {"shape": [2, 3], "dtype": torch.float32})()  # a shape that is a list
+    assert fedcomp.Layout.of({"l": listed}).tensors[0].shape == (2, 3)
     for n in range(12):  # past the cache's 8: it starts over, the layouts stay right
         assert fedcomp.Layout.of({"w": torch.zeros(n + 1)}).tensors[0].shape == (n + 1,)
     with pytest.raises(fedcomp.SpecError, match="complex64"):

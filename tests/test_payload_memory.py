@@ -239,6 +239,9 @@ def test_spare_payloads_are_bounded_can_be_released_or_turned_off(spares, monkey
     codec.encode(_large(0), nonce=0)
     codec.encode(_large(0), nonce=0)
     assert wire._SPARES == [] and spares.made == 6
+    monkeypatch.setenv("FEDCOMP_SPARE_PAYLOADS", "")  # empty: the default
+    codec.encode(_large(0), nonce=0)
+    assert len(wire._SPARES) == 1
     monkeypatch.setenv("FEDCOMP_SPARE_PAYLOADS", "two")
     with pytest.raises(ValueError, match="FEDCOMP_SPARE_PAYLOADS='two'.*0 or more"):
         codec.encode(_large(0), nonce=0)
