@@ -642,6 +642,18 @@ class _TernaryRuns:
                            np.stack([r.params for r in runs]), sums, w, chunk, kernels.scratch(chunk + 4, np.uint8))
 
 
+def _stream_keys(k, gen, xs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """Every segment's stream key (``uniforms.draw_key(gen(i))``) as the kernels take them: in one
+    compiled call where ``gen`` is a CPU :class:`fedcomp.base.Reseeded` (the same keys), else drawn
+    one by one."""
+    seeds = getattr(gen, "seeds", None)
+    if seeds is not None and gen.device.type == "cpu":
+        k0s, k1s = np.empty(len(xs), dtype=np.uint32), np.empty(len(xs), dtype=np.uint32)
+        k.stream_keys(np.array(seeds, dtype=np.int64), k0s, k1s)
+        return k0s, k1s
+    return _run_keys([uniforms.draw_key(gen(i), x.device) for i, x in enumerate(xs)])
+
+
 def _run_keys(keys: list) -> tuple[np.ndarray, np.ndarray]:
     """Per-segment stream keys (None: no stream) as the kernels take them."""
     k0 = np.fromiter((0 if key is None else key[0] for key in keys), dtype=np.uint32, count=len(keys))
@@ -1271,7 +1283,7 @@ class KBit(_BlockRuns, _EntropyCoded, Quantizer):
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
         """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.block_run`)."""
         stochastic = self.config.stochastic
-        k0s, k1s = _run_keys([self._key(x, gen(i)) for i, x in enumerate(xs)] if stochastic else [None] * len(xs))
+        k0s, k1s = _stream_keys(k, gen, xs) if stochastic else _run_keys([None] * len(xs))
         step = max(_chunk_step(int(n), self.config.block) for n in ns.tolist())
         params = np.empty((blocks(step, self.config.block), 2), dtype=np.float32)
         k.block_run(k.BLOCK_KBIT, ptrs, ns, self.config.block, (1 << self.config.bits) - 1, self.config.bits, stochastic,
@@ -1436,7 +1448,7 @@ class QSGD(_BlockRuns, _EntropyCoded, Quantizer):
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
         """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.block_run`)."""
-        k0s, k1s = _run_keys([uniforms.draw_key(gen(i), x.device) for i, x in enumerate(xs)])
+        k0s, k1s = _stream_keys(k, gen, xs)
         step = max(_chunk_step(int(n), self.config.bucket) for n in ns.tolist())
         k.block_run(k.BLOCK_QSGD, ptrs, ns, self.config.bucket, self.levels, self.config.bits, True, k0s, k1s, offs,
                     region, _ENCODE_CHUNK, np.empty((blocks(step, self.config.bucket), 1), dtype=np.float32),
@@ -1689,8 +1701,7 @@ class TernGrad(_TernaryRuns, Quantizer):
             std = np.array([_tern_std(nl[i], kl[bl[i]:bl[i + 1]], s1l[bl[i]:bl[i + 1]], s2l[bl[i]:bl[i + 1]])
                             for i in use.tolist()], dtype=np.float64)
             s32[use], bound32[use] = self._scale(s32[use], std, True)
-        keys = [uniforms.draw_key(gen(i), x.device) for i, x in enumerate(xs)]
-        k0s, k1s = _run_keys(keys)
+        k0s, k1s = _stream_keys(k, gen, xs)
         step = max(4, _ENCODE_CHUNK // 4 * 4)
         k.tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, step, kernels.scratch(step, np.uint8), ok)
 

@@ -76,6 +76,28 @@ def test_reseeded_generators_draw_each_segments_own_keys():
     assert drawn == own and len(set(own)) == 3
 
 
+@pytest.mark.skipif(kernels.get() is None, reason="numba not installed")
+def test_compiled_stream_keys_are_the_keys_torch_draws():
+    """``_numba_kernels.stream_keys`` (MT19937's 2nd and 4th outputs) against torch's generator."""
+    import numpy as np
+
+    from fedcomp.base import StageContext
+
+    g = torch.Generator().manual_seed(11)
+    seeds = [0, 1, 5489, (1 << 32) - 1, 1 << 32, (1 << 63) - 1] + torch.randint(0, 1 << 62, (300,), generator=g).tolist()
+    seeds += [StageContext(nonce=n)._seed(j) for n in (0, 1, (1 << 64) - 1) for j in range(5)]
+    k0s, k1s = np.empty(len(seeds), dtype=np.uint32), np.empty(len(seeds), dtype=np.uint32)
+    kernels.get().stream_keys(np.array(seeds, dtype=np.int64), k0s, k1s)
+    gen = torch.Generator()
+    want = [uniforms.draw_key(gen.manual_seed(s), torch.device("cpu")) for s in seeds]
+    assert list(zip(k0s.tolist(), k1s.tolist())) == want
+    ctx = StageContext(nonce=99)
+    reseeded = ctx.generators([3, 0, 7])
+    got = quantizers._stream_keys(kernels.get(), reseeded, [torch.zeros(1)] * 3)  # the run path's keys
+    ref = quantizers._run_keys([uniforms.draw_key(ctx.generator(j), torch.device("cpu")) for j in (3, 0, 7)])
+    assert all(np.array_equal(a, b) for a, b in zip(got, ref)) and len(set(got[0].tolist())) == 3
+
+
 @pytest.mark.parametrize("spec", ["qsgd(bits=4)", "qsgd(bits=2,bucket=0)", "terngrad(clip=0)", "kbit(bits=2,stochastic=true)"])
 def test_one_encode_is_unbiased_over_many_elements(spec):
     """Within one encode (one key) the rounding errors of 262,144 elements average out: the mean
