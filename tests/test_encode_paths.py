@@ -118,3 +118,23 @@ def test_power_step_and_reconstruct_match_the_plain_math():
     for k in range(1, 3):
         y = y + p_hat[:, k:k + 1] * q_new[:, k]
     assert torch.equal(reconstruct(p_hat, q_new), y)
+
+
+@pytest.mark.parametrize("kernels_on", ["0", "1"])
+@pytest.mark.parametrize("spec", ["none()", "qsgd(bits=4)", "terngrad()", "kbit(bits=4,stochastic=true)", "fp16()"])
+def test_parameters_views_and_other_dtypes_encode_as_their_plain_copies(spec, kernels_on, monkeypatch):
+    """A model's own parameters (requiring grad), a non-contiguous view, a float64 and a bf16
+    tensor, an empty one and an integer one: the bytes of the same values as plain contiguous fp32
+    tensors (the run path takes contiguous fp32 tensors as they are, the rest through copies)."""
+    monkeypatch.setenv("FEDCOMP_KERNELS", kernels_on)
+    g = torch.Generator().manual_seed(4)
+    layer = torch.nn.Linear(33, 17)
+    wide = torch.randn(40, 30, generator=g)
+    model = {"w": layer.weight, "b": layer.bias, "t": wide.t(), "d": torch.randn(9, generator=g, dtype=torch.float64),
+             "h": torch.randn(70, generator=g).to(torch.bfloat16), "e": torch.zeros(0, 3), "n": torch.arange(5),
+             "z": wide[1:30:2]}
+    plain = {k: v.detach().contiguous().clone() for k, v in model.items()}
+    codec = fedcomp.build_codec(spec)
+    got = codec.encode(model, nonce=3).payload
+    assert got == codec.encode(plain, nonce=3).payload
+    assert layer.weight.requires_grad and layer.weight.grad is None  # the model is left as it was
