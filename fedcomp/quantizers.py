@@ -458,7 +458,7 @@ def write_run(quantizer: Quantizer, xs: list[torch.Tensor], out: Writer, gen) ->
     crc = out.crc_before(place) if getattr(quantizer, "_run_crc", None) is not None else None
     fn = None if crc is None else kernels.crc32_function()
     if fn is not None:  # the payload's CRC continued over each part as it is written, from cache
-        crc = quantizer._run_crc(k, ptrs, ns, offs, region, ok, fn, crc)
+        crc = quantizer._run_crc(k, xs, gen, ptrs, ns, offs, region, ok, fn, crc)
     else:
         quantizer._run(k, xs, gen, ptrs, ns, offs, region, ok)
     for i in np.flatnonzero(~ok).tolist():
@@ -705,7 +705,7 @@ class Identity(_RawRuns, Quantizer):
             region[o:o + 4 * n].view(np.float32)[:] = x.numpy()
         ok[:] = True
 
-    def _run_crc(self, k, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
+    def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
         """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it copies, each part as
         it is read (:func:`fedcomp._numba_kernels.raw_run_crc`); returns the CRC."""
         crc = k.raw_run_crc(ptrs, ns, offs, region, fn, np.uint32(crc))
@@ -753,7 +753,7 @@ class _HalfFloat(_RawRuns, Quantizer):
         k.half_run(ptrs, ns, self.dtype == torch.bfloat16, np.float32(_FP16_MAX), offs, region)
         ok[:] = True
 
-    def _run_crc(self, k, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
+    def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
         """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it writes, part by part
         while each is in cache (:func:`fedcomp._numba_kernels.half_run_crc`); returns the CRC."""
         crc = k.half_run_crc(ptrs, ns, self.dtype == torch.bfloat16, np.float32(_FP16_MAX), offs, region, fn,
@@ -1282,12 +1282,18 @@ class KBit(_BlockRuns, _EntropyCoded, Quantizer):
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
         """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.block_run`)."""
+        self._run_crc(k, xs, gen, ptrs, ns, offs, region, ok, 0, 0)
+
+    def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
+        """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it writes (``fn`` 0:
+        none), the codes as they are packed; returns the CRC."""
         stochastic = self.config.stochastic
         k0s, k1s = _stream_keys(k, gen, xs) if stochastic else _run_keys([None] * len(xs))
         step = max(_chunk_step(int(n), self.config.block) for n in ns.tolist())
         params = np.empty((blocks(step, self.config.block), 2), dtype=np.float32)
-        k.block_run(k.BLOCK_KBIT, ptrs, ns, self.config.block, (1 << self.config.bits) - 1, self.config.bits, stochastic,
-                    k0s, k1s, offs, region, _ENCODE_CHUNK, params, kernels.scratch(step, np.uint8), ok)
+        return int(k.block_run(k.BLOCK_KBIT, ptrs, ns, self.config.block, (1 << self.config.bits) - 1, self.config.bits,
+                               stochastic, k0s, k1s, offs, region, _ENCODE_CHUNK, params, kernels.scratch(step, np.uint8),
+                               ok, fn, np.uint32(crc)))
 
     _run_kind, _run_per = "BLOCK_KBIT", 2  # runs (_BlockRuns): rows lo, scale per block
 
@@ -1448,11 +1454,16 @@ class QSGD(_BlockRuns, _EntropyCoded, Quantizer):
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
         """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.block_run`)."""
+        self._run_crc(k, xs, gen, ptrs, ns, offs, region, ok, 0, 0)
+
+    def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
+        """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it writes (``fn`` 0:
+        none), the codes as they are packed; returns the CRC."""
         k0s, k1s = _stream_keys(k, gen, xs)
         step = max(_chunk_step(int(n), self.config.bucket) for n in ns.tolist())
-        k.block_run(k.BLOCK_QSGD, ptrs, ns, self.config.bucket, self.levels, self.config.bits, True, k0s, k1s, offs,
-                    region, _ENCODE_CHUNK, np.empty((blocks(step, self.config.bucket), 1), dtype=np.float32),
-                    kernels.scratch(step, np.uint8), ok)
+        return int(k.block_run(k.BLOCK_QSGD, ptrs, ns, self.config.bucket, self.levels, self.config.bits, True, k0s, k1s,
+                               offs, region, _ENCODE_CHUNK, np.empty((blocks(step, self.config.bucket), 1), dtype=np.float32),
+                               kernels.scratch(step, np.uint8), ok, fn, np.uint32(crc)))
 
     def _ratio_(self, mag: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         """In place: mag (|x| as rows of buckets) times r = fp32(levels / norm) per bucket (norm 0:

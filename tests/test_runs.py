@@ -260,7 +260,8 @@ def test_the_fused_checksum_covers_bytes_between_segments():
 
 
 @pytest.mark.parametrize("spec,big", [("fp16()", 2_200_001), ("bf16()", 2_200_001), ("none()", 2_200_001),
-                                      ("none()", 1_200_001)])
+                                      ("none()", 1_200_001), ("kbit(bits=8)", 4_200_001), ("qsgd(bits=4)", 8_400_001),
+                                      ("kbit(bits=3,stochastic=true,block=100)", 11_000_001)])
 def test_a_half_payload_is_checksummed_as_it_is_written(spec, big, monkeypatch):
     """The writer's CRC is continued over each part as it is converted (none(): as each is read,
     then copied, by non-temporal stores in a payload of STREAM_BYTES or more, else by memcpy):
@@ -286,6 +287,21 @@ def test_a_half_payload_is_checksummed_as_it_is_written(spec, big, monkeypatch):
         assert codec.encode(model, nonce=4).payload == payload
     assert sum(read) > len(payload) - 100
     assert zlib.crc32(payload[:-4]) == int.from_bytes(payload[-4:], "little")
+
+
+def test_crc32_combine_is_the_crc_of_the_concatenation():
+    import random
+
+    k = kernels.get()
+    if k is None:
+        pytest.skip("numba not installed")
+    rng = random.Random(5)
+    for _ in range(200):
+        a = rng.randbytes(rng.choice([0, 1, 3, 64, 1000]))
+        b = rng.randbytes(rng.choice([0, 1, 7, 255, 4096, 70_000]))
+        assert int(k.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b))) == zlib.crc32(a + b)
+    long = bytes(3 << 20)  # a length with many bits set: many squarings
+    assert int(k.crc32_combine(zlib.crc32(b"head"), zlib.crc32(long[:-5]), len(long) - 5)) == zlib.crc32(b"head" + long[:-5])
 
 
 def test_a_writer_checksums_the_whole_payload_where_a_part_lands_in_checksummed_bytes():
