@@ -1550,17 +1550,29 @@ def sign_run(ptrs, ns, block, std_block, qbits, absolute, offs, region, part0, a
 
 
 @njit(cache=True, nogil=True)
-def twobit_run(ptrs, ns, t, offs, region, chunk, codes):
+def twobit_run(ptrs, ns, t, offs, region, chunk, codes, fn, crc):
     """TwoBit.write of each segment at region[offs[i]:] (packed 2-bit codes), ``chunk`` (a multiple
-    of 4) elements at a time."""
+    of 4) elements at a time. ``fn`` nonzero: continues the CRC32 ``crc`` over region as each
+    chunk's codes are packed (from cache) and returns it (:func:`block_run`)."""
+    base = region.ctypes.data
+    done_at = 0
     for i in range(ptrs.shape[0]):
         n = ns[i]
         x = _segment(ptrs, ns, i)
         o = offs[i]
+        if fn and o > done_at:
+            crc = _call_crc32(fn, crc, base + done_at, o - done_at)
         for a in range(0, n, chunk):
             e = min(n, a + chunk)
             twobit_codes(x[a:e], t, codes)
-            pack(codes, e - a, 2, region[o + a // 4:o + a // 4 + (e - a + 3) // 4])
+            m = (e - a + 3) // 4
+            pack(codes, e - a, 2, region[o + a // 4:o + a // 4 + m])
+            if fn:
+                crc = _call_crc32(fn, crc, base + o + a // 4, m)
+        done_at = max(done_at, o + (n + 3) // 4)
+    if fn and region.shape[0] > done_at:
+        crc = _call_crc32(fn, crc, base + done_at, region.shape[0] - done_at)
+    return crc
 
 
 @njit(cache=True, nogil=True)
@@ -1968,20 +1980,35 @@ def raw_add_runs(bodies, coffs, ns, kind, sums, w, chunk, halves, vals):
 
 
 @njit(cache=True, nogil=True)
-def tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, chunk, codes, ok):
+def tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, chunk, codes, ok, fn, crc):
     """TernGrad.write of each segment i with ok[i] at region[offs[i]:] (s, then packed 2-bit
-    codes, :func:`tern_codes` ``chunk`` (a multiple of 4) elements at a time)."""
+    codes, :func:`tern_codes` ``chunk`` (a multiple of 4) elements at a time). ``fn`` nonzero:
+    continues the CRC32 ``crc`` over region as each chunk's codes are packed (from cache) and
+    returns it (meaningless where an ok[i] is False; :func:`block_run`)."""
+    base = region.ctypes.data
+    done_at = 0
     for i in range(ptrs.shape[0]):
         if not ok[i]:
             continue
         n = ns[i]
         x = _segment(ptrs, ns, i)
         o = offs[i]
+        if fn and o > done_at:
+            crc = _call_crc32(fn, crc, base + done_at, o - done_at)
         _put_f32(s32[i:i + 1], region, o)
+        if fn:
+            crc = _call_crc32(fn, crc, base + o, 4)
         for a in range(0, n, chunk):
             e = min(n, a + chunk)
             tern_codes(x[a:e], s32[i], bound32[i], clips[i], k0s[i], k1s[i], a, codes)
-            pack(codes, e - a, 2, region[o + 4 + a // 4:o + 4 + a // 4 + (e - a + 3) // 4])
+            m = (e - a + 3) // 4
+            pack(codes, e - a, 2, region[o + 4 + a // 4:o + 4 + a // 4 + m])
+            if fn:
+                crc = _call_crc32(fn, crc, base + o + 4 + a // 4, m)
+        done_at = max(done_at, o + 4 + (n + 3) // 4)
+    if fn and region.shape[0] > done_at:
+        crc = _call_crc32(fn, crc, base + done_at, region.shape[0] - done_at)
+    return crc
 
 
 @njit(cache=True, nogil=True)

@@ -1147,9 +1147,16 @@ class TwoBit(_TernaryRuns, Quantizer):
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
         """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.twobit_run`)."""
+        self._run_crc(k, xs, gen, ptrs, ns, offs, region, ok, 0, 0)
+
+    def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
+        """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it writes (``fn`` 0:
+        none), each chunk as it is packed; returns the CRC."""
         step = max(4, _ENCODE_CHUNK // 16 * 4)
-        k.twobit_run(ptrs, ns, np.float32(self.config.threshold), offs, region, step, kernels.scratch(step, np.uint8))
+        crc = k.twobit_run(ptrs, ns, np.float32(self.config.threshold), offs, region, step,
+                           kernels.scratch(step, np.uint8), fn, np.uint32(crc))
         ok[:] = True
+        return int(crc)
 
     def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
         """:meth:`encode`'s bytes: code = 2 sent + positive, chunk by chunk into one output."""
@@ -1687,11 +1694,16 @@ class TernGrad(_TernaryRuns, Quantizer):
         return s32, bound32
 
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
+        """:meth:`_run_crc` without a CRC."""
+        self._run_crc(k, xs, gen, ptrs, ns, offs, region, ok, 0, 0)
+
+    def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
         """:func:`write_run`'s compiled calls: every segment's block statistics in one
         (:func:`fedcomp._numba_kernels.tern_stats_run`), s and the clip bound per segment here as
         :meth:`_write` computes them (the exact std in Python integers; the fp32 scale for all
         segments at once), the codes in one (:func:`fedcomp._numba_kernels.tern_run`). A segment
-        with a value not finite is left to :meth:`_write` (ok False).
+        with a value not finite is left to :meth:`_write` (ok False). ``fn`` nonzero: the codes'
+        call continues the payload's CRC32 ``crc`` as it packs them; returns the CRC.
 
         Why: per segment, the statistics' call, arrays and scalar arithmetic cost ~25 us: ~4 ms
         on a ResNet-50's 161 tensors, about one read pass of its 25.6M values."""
@@ -1714,7 +1726,8 @@ class TernGrad(_TernaryRuns, Quantizer):
             s32[use], bound32[use] = self._scale(s32[use], std, True)
         k0s, k1s = _stream_keys(k, gen, xs)
         step = max(4, _ENCODE_CHUNK // 4 * 4)
-        k.tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, step, kernels.scratch(step, np.uint8), ok)
+        return int(k.tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, step, kernels.scratch(step, np.uint8),
+                              ok, fn, np.uint32(crc)))
 
     def _values(self, s: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         s = s.reshape(())

@@ -261,7 +261,8 @@ def test_the_fused_checksum_covers_bytes_between_segments():
 
 @pytest.mark.parametrize("spec,big", [("fp16()", 2_200_001), ("bf16()", 2_200_001), ("none()", 2_200_001),
                                       ("none()", 1_200_001), ("kbit(bits=8)", 4_200_001), ("qsgd(bits=4)", 8_400_001),
-                                      ("kbit(bits=3,stochastic=true,block=100)", 11_000_001)])
+                                      ("kbit(bits=3,stochastic=true,block=100)", 11_000_001), ("terngrad()", 17_000_001),
+                                      ("twobit(threshold=0.5)", 17_000_001)])
 def test_a_half_payload_is_checksummed_as_it_is_written(spec, big, monkeypatch):
     """The writer's CRC is continued over each part as it is converted (none(): as each is read,
     then copied, by non-temporal stores in a payload of STREAM_BYTES or more, else by memcpy):
