@@ -102,6 +102,16 @@ def _call_crc32(typingctx, fn, crc, address, nbytes):
     return sig, codegen
 
 
+@njit(inline="always")
+def _crc_upto(fn, crc, base, done, to):
+    """The CRC32 ``crc`` of the bytes before address ``base + done`` continued up to ``base + to``
+    (the bytes between a run's segments, and after its last); ``crc`` itself where ``fn`` is 0 (no
+    checksum) or nothing lies between."""
+    if fn and to > done:
+        return _call_crc32(fn, crc, base + done, to - done)
+    return crc
+
+
 _PREFETCH_LINES = 32  # 2 kB: one qsgd bucket of 512 fp32, two kbit blocks of 256 (the defaults)
 
 
@@ -1493,8 +1503,7 @@ def block_run(kind, ptrs, ns, block, levels, bits, stochastic, k0s, k1s, offs, r
         step = _chunk_step(n, size, block, chunk)
         o = offs[s]
         at = o + 4 * per * ((n + size - 1) // size)  # the codes
-        if fn and o > done_at:
-            crc = _call_crc32(fn, crc, base + done_at, o - done_at)
+        crc = _crc_upto(fn, crc, base, done_at, o)
         codes_crc = np.uint32(0)
         ok[s] = True
         for a in range(0, n, step):
@@ -1519,9 +1528,7 @@ def block_run(kind, ptrs, ns, block, levels, bits, stochastic, k0s, k1s, offs, r
             m = (n * bits + 7) // 8
             crc = crc32_combine(_call_crc32(fn, crc, base + o, at - o), codes_crc, m)
             done_at = at + m
-    if fn and region.shape[0] > done_at:
-        crc = _call_crc32(fn, crc, base + done_at, region.shape[0] - done_at)
-    return crc
+    return _crc_upto(fn, crc, base, done_at, region.shape[0])
 
 
 @njit(cache=True, nogil=True)
@@ -1560,8 +1567,7 @@ def twobit_run(ptrs, ns, t, offs, region, chunk, codes, fn, crc):
         n = ns[i]
         x = _segment(ptrs, ns, i)
         o = offs[i]
-        if fn and o > done_at:
-            crc = _call_crc32(fn, crc, base + done_at, o - done_at)
+        crc = _crc_upto(fn, crc, base, done_at, o)
         for a in range(0, n, chunk):
             e = min(n, a + chunk)
             twobit_codes(x[a:e], t, codes)
@@ -1570,9 +1576,7 @@ def twobit_run(ptrs, ns, t, offs, region, chunk, codes, fn, crc):
             if fn:
                 crc = _call_crc32(fn, crc, base + o + a // 4, m)
         done_at = max(done_at, o + (n + 3) // 4)
-    if fn and region.shape[0] > done_at:
-        crc = _call_crc32(fn, crc, base + done_at, region.shape[0] - done_at)
-    return crc
+    return _crc_upto(fn, crc, base, done_at, region.shape[0])
 
 
 @njit(cache=True, nogil=True)
@@ -1597,17 +1601,14 @@ def half_run_crc(ptrs, ns, brain, limit, offs, region, fn, crc):
     for i in range(ptrs.shape[0]):
         n = ns[i]
         o = offs[i]
-        if o > at:
-            crc = _call_crc32(fn, crc, base + at, o - at)
+        crc = _crc_upto(fn, crc, base, at, o)
         x = _segment(ptrs, ns, i)
         for a in range(0, n, SQ_PART):
             e = min(n, a + SQ_PART)
             to_half(x[a:e], brain, limit, region[o + 2 * a:o + 2 * e].view(np.uint16))
             crc = _call_crc32(fn, crc, base + o + 2 * a, 2 * (e - a))
         at = max(at, o + 2 * n)
-    if region.shape[0] > at:
-        crc = _call_crc32(fn, crc, base + at, region.shape[0] - at)
-    return crc
+    return _crc_upto(fn, crc, base, at, region.shape[0])
 
 
 @intrinsic
@@ -1690,8 +1691,7 @@ def raw_run_crc(ptrs, ns, offs, region, fn, crc):
     for i in range(ptrs.shape[0]):
         n = ns[i]
         o = offs[i]
-        if o > at:
-            crc = _call_crc32(fn, crc, base + at, o - at)
+        crc = _crc_upto(fn, crc, base, at, o)
         for a in range(0, n, COPY_PART):
             e = min(n, a + COPY_PART)
             src, dst, m = ptrs[i] + 4 * a, base + o + 4 * a, 4 * (e - a)
@@ -1703,9 +1703,7 @@ def raw_run_crc(ptrs, ns, offs, region, fn, crc):
         at = max(at, o + 4 * n)
     if stream:
         _fence()
-    if region.shape[0] > at:
-        crc = _call_crc32(fn, crc, base + at, region.shape[0] - at)
-    return crc
+    return _crc_upto(fn, crc, base, at, region.shape[0])
 
 
 @njit(cache=True, nogil=True)
@@ -1935,8 +1933,7 @@ def raw_crc_sq_run(body, coffs, ns, kind, chunk, fn, crc, halves, vals, h16, out
     for s in range(ns.shape[0]):
         n = ns[s]
         o = coffs[s]
-        if o > at:
-            crc = _call_crc32(fn, crc, base + at, o - at)
+        crc = _crc_upto(fn, crc, base, at, o)
         tot = 0.0
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
@@ -1993,8 +1990,7 @@ def tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, chunk, codes
         n = ns[i]
         x = _segment(ptrs, ns, i)
         o = offs[i]
-        if fn and o > done_at:
-            crc = _call_crc32(fn, crc, base + done_at, o - done_at)
+        crc = _crc_upto(fn, crc, base, done_at, o)
         _put_f32(s32[i:i + 1], region, o)
         if fn:
             crc = _call_crc32(fn, crc, base + o, 4)
@@ -2006,9 +2002,7 @@ def tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, chunk, codes
             if fn:
                 crc = _call_crc32(fn, crc, base + o + 4 + a // 4, m)
         done_at = max(done_at, o + 4 + (n + 3) // 4)
-    if fn and region.shape[0] > done_at:
-        crc = _call_crc32(fn, crc, base + done_at, region.shape[0] - done_at)
-    return crc
+    return _crc_upto(fn, crc, base, done_at, region.shape[0])
 
 
 @njit(cache=True, nogil=True)

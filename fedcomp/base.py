@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -217,7 +217,7 @@ class StageContext:
         gen.manual_seed(self._seed(segment))
         return gen
 
-    def generators(self, segments: Sequence[int], device: torch.device | str = "cpu") -> "Reseeded":
+    def generators(self, segments: Sequence[int], device: torch.device | str = "cpu") -> Reseeded:
         """``gen(i)``: :meth:`generator` of ``segments[i]`` as one generator reseeded at each call,
         valid until the next (callers that use each in turn). Why: making a ``torch.Generator``
         costs about as much as seeding and drawing from it (161 stream keys of a ResNet-50 layout
