@@ -238,12 +238,13 @@ class Codec:
         for seg, group in segments:
             if run is not None and len(group) == 1:  # the common case, quickly (~2 us a tensor less)
                 t = values[group[0]]
-                if t.dtype == torch.float32 and not t.requires_grad and seg.numel and t.is_contiguous():
+                if (t.dtype == torch.float32 and t.is_cpu and not t.requires_grad and seg.numel and t.is_contiguous()
+                        and not t.is_neg()):
                     run.append((seg.index, t.view(-1)))  # no autograd graph to detach from
                     kept.append(seg.numel)
                     side_bytes.append(0)
                     continue
-            parts = [values[i].detach().reshape(-1) for i in group]  # views where contiguous
+            parts = [values[i].detach().reshape(-1).resolve_neg() for i in group]  # views where contiguous
             # a half / float64 tensor's fp32 copy in huge pages where large (a fresh 100 MB torch
             # tensor faults 25,600 4 kB pages: a bf16 25M encode measured 12.7x a read pass)
             parts = [p if p.dtype == torch.float32 else output_like(p, torch.float32).copy_(p) for p in parts]
@@ -254,7 +255,8 @@ class Codec:
             else:
                 x = torch.cat(parts)
             if run is not None:
-                if seg.numel and x.is_contiguous() and not x.requires_grad:
+                if seg.numel and x.is_cpu and x.is_contiguous() and not x.requires_grad:  # (a tensor on
+                    # another device than the first is written its own way, as without the kernels)
                     run.append((seg.index, x))
                     kept.append(seg.numel)
                     side_bytes.append(0)

@@ -123,18 +123,36 @@ def test_power_step_and_reconstruct_match_the_plain_math():
 @pytest.mark.parametrize("kernels_on", ["0", "1"])
 @pytest.mark.parametrize("spec", ["none()", "qsgd(bits=4)", "terngrad()", "kbit(bits=4,stochastic=true)", "fp16()"])
 def test_parameters_views_and_other_dtypes_encode_as_their_plain_copies(spec, kernels_on, monkeypatch):
-    """A model's own parameters (requiring grad), a non-contiguous view, a float64 and a bf16
-    tensor, an empty one and an integer one: the bytes of the same values as plain contiguous fp32
-    tensors (the run path takes contiguous fp32 tensors as they are, the rest through copies)."""
+    """A model's own parameters (requiring grad), a non-contiguous view, a negated view, a float64
+    and a bf16 tensor, an empty one and an integer one: the bytes of the same values as plain
+    contiguous tensors (the run path takes contiguous fp32 CPU tensors as they are, the rest through
+    copies)."""
     monkeypatch.setenv("FEDCOMP_KERNELS", kernels_on)
     g = torch.Generator().manual_seed(4)
     layer = torch.nn.Linear(33, 17)
     wide = torch.randn(40, 30, generator=g)
     model = {"w": layer.weight, "b": layer.bias, "t": wide.t(), "d": torch.randn(9, generator=g, dtype=torch.float64),
              "h": torch.randn(70, generator=g).to(torch.bfloat16), "e": torch.zeros(0, 3), "n": torch.arange(5),
-             "z": wide[1:30:2]}
-    plain = {k: v.detach().contiguous().clone() for k, v in model.items()}
+             "z": wide[1:30:2], "neg": torch.randn(21, generator=g)._neg_view()}  # a lazily negated view
+    plain = {k: v.detach().resolve_neg().contiguous().clone() for k, v in model.items()}
     codec = fedcomp.build_codec(spec)
     got = codec.encode(model, nonce=3).payload
     assert got == codec.encode(plain, nonce=3).payload
     assert layer.weight.requires_grad and layer.weight.grad is None  # the model is left as it was
+
+
+def test_a_tensor_on_another_device_than_the_first_is_refused_by_torch_not_read_as_cpu_memory():
+    """The compiled run loops read CPU memory by address: a tensor on another device (here 'meta',
+    which has none) goes the per-segment way, where torch refuses it, instead of into the loop."""
+    import subprocess
+    import sys
+
+    code = ("import os, torch; os.environ['FEDCOMP_KERNELS'] = '1'; import fedcomp\n"
+            "for spec in ['qsgd(bits=4)', 'none()', 'kbit(bits=4)', 'terngrad()']:\n"
+            "    try:\n"
+            "        fedcomp.build_codec(spec).encode({'a': torch.randn(5), 'b': torch.empty(7, device='meta')})\n"
+            "    except (RuntimeError, NotImplementedError) as e:\n"
+            "        print('refused', spec)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-500:]  # not a crash (a segfault before)
+    assert done.stdout.count("refused") == 4
