@@ -123,8 +123,7 @@ class Codec:
         self.fingerprint = zlib.crc32(self.spec.encode())
         # payloads carry the newest format a stage writes; older formats of it still decode
         self.wire_version = max(s.wire_version for s in stages)
-        self._segment_cache: dict[Layout, tuple] = {}  # segments() of recent layouts
-        self._dense_cache: dict[Layout, int | None] = {}  # _dense_size() of recent layouts
+        self._layouts: dict[Layout, tuple] = {}  # _per_layout() of recent layouts
 
     @property
     def selector(self) -> Reducer | None:
@@ -164,13 +163,17 @@ class Codec:
     def segments(self, layout: Layout) -> list[tuple[Segment, tuple[int, ...]]]:
         """The payload's segments, each with the layout positions of its tensors (kept for the
         last few layouts: ~0.5 ms to build for a ResNet-50's 161 tensors, every encode and decode)."""
-        cache = self._segment_cache
-        found = cache.get(layout)
+        return list(self._per_layout(layout)[0])
+
+    def _per_layout(self, layout: Layout) -> tuple[tuple, int | None]:
+        """(:meth:`_segments`, :meth:`_dense_size`) of ``layout``, kept for the last 8 layouts."""
+        found = self._layouts.get(layout)
         if found is None:
-            if len(cache) >= 8:
-                cache.clear()
-            found = cache[layout] = tuple(self._segments(layout))
-        return list(found)
+            segments = tuple(self._segments(layout))
+            if len(self._layouts) >= 8:
+                self._layouts.clear()
+            found = self._layouts[layout] = (segments, self._dense_size(layout, list(segments)))
+        return found
 
     def _segments(self, layout: Layout) -> list[tuple[Segment, tuple[int, ...]]]:
         floats = [i for i, t in enumerate(layout.tensors) if t.is_float]
@@ -225,8 +228,9 @@ class Codec:
         values = list(tensors.values())
         device = values[0].device if values else torch.device("cpu")
         ctx = StageContext(nonce & _MASK64, round, state)
-        segments = self.segments(layout)
-        out = Writer(device, self._dense_size(layout, segments),
+        kept_segments, dense_size = self._per_layout(layout)
+        segments = list(kept_segments)
+        out = Writer(device, dense_size,
                      head=header(layout.fingerprint(), self.fingerprint, ctx.nonce, self.wire_version))
         sparse = self._sparse_expand
         kept_values: dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None = {} if sparse else None
@@ -236,24 +240,21 @@ class Codec:
         run: list[tuple[int, torch.Tensor]] | None = \
             [] if self.reducer is None and device.type == "cpu" and runs(self.quantizer, kernels.for_encode()) else None
         for seg, group in segments:
-            if run is not None and len(group) == 1:  # the common case, quickly (~2 us a tensor less)
-                t = values[group[0]]
-                if (t.dtype == torch.float32 and t.is_cpu and not t.requires_grad and seg.numel and t.is_contiguous()
-                        and not t.is_neg()):
-                    run.append((seg.index, t.view(-1)))  # no autograd graph to detach from
-                    kept.append(seg.numel)
-                    side_bytes.append(0)
-                    continue
-            parts = [values[i].detach().reshape(-1).resolve_neg() for i in group]  # views where contiguous
-            # a half / float64 tensor's fp32 copy in huge pages where large (a fresh 100 MB torch
-            # tensor faults 25,600 4 kB pages: a bf16 25M encode measured 12.7x a read pass)
-            parts = [p if p.dtype == torch.float32 else output_like(p, torch.float32).copy_(p) for p in parts]
-            if len(parts) == 1:
-                x = parts[0]
-            elif pieces_ok:
-                x = Pieces(parts)
+            t = values[group[0]] if run is not None and len(group) == 1 else None
+            if t is not None and t.dtype == torch.float32 and not t.requires_grad and t.is_contiguous() \
+                    and not t.is_neg():  # the common case, quickly (~2 us a tensor less)
+                x = t.view(-1)  # no autograd graph to detach from
             else:
-                x = torch.cat(parts)
+                parts = [values[i].detach().reshape(-1).resolve_neg() for i in group]  # views where contiguous
+                # a half / float64 tensor's fp32 copy in huge pages where large (a fresh 100 MB torch
+                # tensor faults 25,600 4 kB pages: a bf16 25M encode measured 12.7x a read pass)
+                parts = [p if p.dtype == torch.float32 else output_like(p, torch.float32).copy_(p) for p in parts]
+                if len(parts) == 1:
+                    x = parts[0]
+                elif pieces_ok:
+                    x = Pieces(parts)
+                else:
+                    x = torch.cat(parts)
             if run is not None:
                 if seg.numel and x.is_cpu and x.is_contiguous() and not x.requires_grad:  # (a tensor on
                     # another device than the first is written its own way, as without the kernels)
@@ -300,15 +301,10 @@ class Codec:
         codes), else None: the writer then builds the payload in place (:meth:`Writer.empty`)."""
         if self.reducer is not None:
             return None
-        cache = self._dense_cache
-        if layout not in cache:  # kept beside the segments (~0.3 ms for 161 tensors)
-            if len(cache) >= 8:
-                cache.clear()
-            try:
-                cache[layout] = self._size(layout, segments, None, None)
-            except ValueError:  # entropy-coded values
-                cache[layout] = None
-        return cache[layout]
+        try:
+            return self._size(layout, segments, None, None)
+        except ValueError:  # entropy-coded values
+            return None
 
     @property
     def _sparse_expand(self) -> bool:

@@ -642,6 +642,14 @@ class _TernaryRuns:
                            np.stack([r.params for r in runs]), sums, w, chunk, kernels.scratch(chunk + 4, np.uint8))
 
 
+class _ChecksummedRun:
+    """Quantizers whose :func:`write_run` loop continues the payload's CRC32 as it writes where it
+    is given a CRC function (``_run_crc``; ``fn`` 0: none): ``_run`` is that loop without one."""
+
+    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
+        self._run_crc(k, xs, gen, ptrs, ns, offs, region, ok, 0, 0)
+
+
 def _stream_keys(k, gen, xs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     """Every segment's stream key (``uniforms.draw_key(gen(i))``) as the kernels take them: in one
     compiled call where ``gen`` is a CPU :class:`fedcomp.base.Reseeded` (the same keys), else drawn
@@ -1110,7 +1118,7 @@ class FixedSign(Quantizer):
 
 
 @register
-class TwoBit(_TernaryRuns, Quantizer):
+class TwoBit(_ChecksummedRun, _TernaryRuns, Quantizer):
     """MXNet's 2-bit codec: x >= t -> +t (11), x <= -t -> -t (10), else 0 (00).
 
     Elementwise |error| <= |x|: the remainder stays in the residual (error feedback). ``t`` is an
@@ -1144,10 +1152,6 @@ class TwoBit(_TernaryRuns, Quantizer):
     def _tables(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         t = self.config.threshold
         return offs, np.tile(np.array([0.0, 0.0, -t, t], dtype=np.float32), (ns.shape[0], 1))
-
-    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
-        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.twobit_run`)."""
-        self._run_crc(k, xs, gen, ptrs, ns, offs, region, ok, 0, 0)
 
     def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
         """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it writes (``fn`` 0:
@@ -1203,7 +1207,7 @@ class TwoBit(_TernaryRuns, Quantizer):
 
 
 @register
-class KBit(_BlockRuns, _EntropyCoded, Quantizer):
+class KBit(_ChecksummedRun, _BlockRuns, _EntropyCoded, Quantizer):
     """Linear k-bit quantization per block: q = round((x - min) / scale), scale = (max - min) / (2^b - 1).
 
     |error| <= scale / 2 with nearest rounding; < scale and unbiased with stochastic rounding.
@@ -1287,10 +1291,6 @@ class KBit(_BlockRuns, _EntropyCoded, Quantizer):
     def runs(self) -> bool:
         return self.config.coding == "packed"
 
-    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
-        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.block_run`)."""
-        self._run_crc(k, xs, gen, ptrs, ns, offs, region, ok, 0, 0)
-
     def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
         """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it writes (``fn`` 0:
         none), the codes as they are packed; returns the CRC."""
@@ -1360,7 +1360,7 @@ class KBit(_BlockRuns, _EntropyCoded, Quantizer):
 
 
 @register
-class QSGD(_BlockRuns, _EntropyCoded, Quantizer):
+class QSGD(_ChecksummedRun, _BlockRuns, _EntropyCoded, Quantizer):
     """QSGD (Alistarh et al. 2017): per bucket, ||v|| * sign(v_j) * xi_j with xi_j stochastic over s levels.
 
     ``bits`` counts the sign: s = 2^(bits-1) - 1 levels above zero. Unbiased; elementwise
@@ -1458,10 +1458,6 @@ class QSGD(_BlockRuns, _EntropyCoded, Quantizer):
         """norm / levels per bucket (fp32, as :meth:`read_values` divides)."""
         with np.errstate(all="ignore"):  # a NaN or inf norm (fuzzed payloads) is refused by the check
             return rows / np.float32(self.levels)
-
-    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
-        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.block_run`)."""
-        self._run_crc(k, xs, gen, ptrs, ns, offs, region, ok, 0, 0)
 
     def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
         """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it writes (``fn`` 0:
@@ -1581,7 +1577,7 @@ def _tern_stats_torch(x: torch.Tensor, clip: bool):
 
 
 @register
-class TernGrad(_TernaryRuns, Quantizer):
+class TernGrad(_ChecksummedRun, _TernaryRuns, Quantizer):
     """TernGrad (Wen et al. 2017): s * sign(g) * b, b ~ Bernoulli(|g| / s), s = max|g| per segment.
 
     With ``clip`` > 0, g is first clipped to +-clip * std(g) (biased; error feedback keeps the
@@ -1692,10 +1688,6 @@ class TernGrad(_TernaryRuns, Quantizer):
                 bound32 = np.float32(np.float32(self.config.clip) * np.float32(bound))
                 s32 = np.minimum(amax, bound32)
         return s32, bound32
-
-    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
-        """:meth:`_run_crc` without a CRC."""
-        self._run_crc(k, xs, gen, ptrs, ns, offs, region, ok, 0, 0)
 
     def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
         """:func:`write_run`'s compiled calls: every segment's block statistics in one
