@@ -1667,7 +1667,7 @@ def _stream_copy(dst, src, nbytes):
         _copy(dst + end, src + end, nbytes - end)
 
 
-COPY_PART = 1 << 16  # values per part of raw_run_crc (256 kB of fp32: a part stays in L2)
+COPY_PART = 1 << 11  # values per part of raw_run_crc (8 kB of fp32: a part stays in L1)
 STREAM_BYTES = 8 << 20  # regions this large are written by non-temporal stores (raw_run_crc)
 
 
@@ -1675,16 +1675,16 @@ STREAM_BYTES = 8 << 20  # regions this large are written by non-temporal stores 
 def raw_run_crc(ptrs, ns, offs, region, fn, crc):
     """none().write of each segment (its fp32 bytes) at region[offs[i]:], continuing the CRC32
     ``crc`` of what precedes region over region[:end of the last segment] (``fn``:
-    :func:`_call_crc32`): each part of COPY_PART values is checksummed where it is read from
-    memory (the source: the same bytes), then copied from cache, in a region of STREAM_BYTES or
-    more by non-temporal stores; bytes between segments are checksummed in order too. Returns
-    the CRC.
+    :func:`_call_crc32`): each part of COPY_PART values is copied, in a region of STREAM_BYTES or
+    more by non-temporal stores, then checksummed from cache (the source: the same bytes); bytes
+    between segments are checksummed in order too. Returns the CRC.
 
     Why: copying, then checksumming the payload at the end, read it twice from memory (3.0 read
-    passes of the update at 25M against ``y.copy_(x)``'s 2.0-2.2, 2026-11-26). The CRC keeps pace
-    with memory (~1.0 read pass from it), so the copy from cache is what it adds: by memcpy ~1.2
-    passes (it reads each line of the payload into cache before writing it), by non-temporal
-    stores ~0.9 (a payload this large leaves the cache before anything reads it)."""
+    passes of the update at 25M against ``y.copy_(x)``'s 2.0-2.2, 2026-11-26). Checksumming each
+    part as it was read from memory, then copying it from cache, took 1.7-1.9: the checksum keeps
+    pace with memory (~1.0 read pass), and the copy came after it. A non-temporal copy from memory
+    overlaps its reads and its writes (1.15-1.2 passes alone), and the checksum of what it just
+    read, from L1, adds ~0.3: 1.24-1.6 passes in all (parts of 8-64 kB; 8 kB the quickest)."""
     base = region.ctypes.data
     stream = region.shape[0] >= STREAM_BYTES
     at = 0
@@ -1695,11 +1695,11 @@ def raw_run_crc(ptrs, ns, offs, region, fn, crc):
         for a in range(0, n, COPY_PART):
             e = min(n, a + COPY_PART)
             src, dst, m = ptrs[i] + 4 * a, base + o + 4 * a, 4 * (e - a)
-            crc = _call_crc32(fn, crc, src, m)
             if stream:
                 _stream_copy(dst, src, m)
             else:
                 _copy(dst, src, m)
+            crc = _call_crc32(fn, crc, src, m)
         at = max(at, o + 4 * n)
     if stream:
         _fence()

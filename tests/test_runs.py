@@ -264,8 +264,8 @@ def test_the_fused_checksum_covers_bytes_between_segments():
                                       ("kbit(bits=3,stochastic=true,block=100)", 11_000_001), ("terngrad()", 17_000_001),
                                       ("twobit(threshold=0.5)", 17_000_001)])
 def test_a_half_payload_is_checksummed_as_it_is_written(spec, big, monkeypatch):
-    """The writer's CRC is continued over each part as it is converted (none(): as each is read,
-    then copied, by non-temporal stores in a payload of STREAM_BYTES or more, else by memcpy):
+    """The writer's CRC is continued over each part as it is converted (none(): as each is
+    copied, by non-temporal stores in a payload of STREAM_BYTES or more, else by memcpy):
     the payload's last read covers only what follows the values (the raw integer tensors), and
     the bytes are the same."""
     from fedcomp import wire
