@@ -548,7 +548,8 @@ def rounded_sq(values, brain, bits16):
     return half_sq(bits16, brain)
 
 
-SQ_PART = 1 << 18  # values per partial sum of sumsq / half_sq (1 MB of fp32: they stay in L2)
+SQ_PART = 1 << 10  # values per partial sum of sumsq / half_sq (4 kB of fp32: they stay in L1)
+HALF_PART = 1 << 18  # values per part of half_run_crc (512 kB of halves: they stay in L2)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
@@ -664,8 +665,10 @@ def sumsq(v):
     """Sum of float64(v[j])**2 (v: fp32 or fp64): partial sums of SQ_PART values, added in order.
     Within a part, reassociation only (no other fast-math): the loop is vectorized with partial
     sums, so the last bits depend on the CPU's vector width (as torch's reductions do), not on
-    anything else. The parts are L2-sized so that :func:`raw_crc_sq_run` can checksum each one
-    after it is summed, from cache, and form the same sums."""
+    anything else. The parts are L1-sized so that :func:`raw_crc_sq_run` can checksum each one
+    after it is summed, from L1, and form the same sums: in parts of 4 kB its pass over a 100 MB
+    payload in 4 kB pages (as one from gRPC) measured 1.13-1.27 read passes against 1.36-1.54 in
+    parts of 1 MB, the checksum's reads overlapping the next part's from memory (2026-11-26)."""
     t = 0.0
     for a in range(0, v.shape[0], SQ_PART):
         t += _sumsq_part(v[a:a + SQ_PART])
@@ -1591,7 +1594,7 @@ def half_run(ptrs, ns, brain, limit, offs, region):
 @njit(cache=True, nogil=True)
 def half_run_crc(ptrs, ns, brain, limit, offs, region, fn, crc):
     """:func:`half_run`, continuing the CRC32 ``crc`` of what precedes region over region[:end of
-    the last segment] (``fn``: :func:`_call_crc32`): each part of SQ_PART values is converted,
+    the last segment] (``fn``: :func:`_call_crc32`): each part of HALF_PART values is converted,
     then checksummed from cache (bytes between segments in order too). Returns the CRC.
 
     Why: the writer's CRC of the whole payload at the end reads it again from memory (~0.5 read
@@ -1603,8 +1606,8 @@ def half_run_crc(ptrs, ns, brain, limit, offs, region, fn, crc):
         o = offs[i]
         crc = _crc_upto(fn, crc, base, at, o)
         x = _segment(ptrs, ns, i)
-        for a in range(0, n, SQ_PART):
-            e = min(n, a + SQ_PART)
+        for a in range(0, n, HALF_PART):
+            e = min(n, a + HALF_PART)
             to_half(x[a:e], brain, limit, region[o + 2 * a:o + 2 * e].view(np.uint16))
             crc = _call_crc32(fn, crc, base + o + 2 * a, 2 * (e - a))
         at = max(at, o + 2 * n)

@@ -59,11 +59,12 @@ from fedcomp.wire import MMAPPED, host_empty, host_zeros
 
 CHUNK = 1 << 20  # elements per step of chunked loops: temporaries of 8 MB at most
 BATCH = 8  # replies whose fused adds share one pass over the float64 sum (Accumulator(batch=...))
-# payload bytes that may wait for that pass, in float64 sums' worth: fp32 replies go four at a time
-# (2.4 read passes a reply at 25M against 3.0 two at a time, 2026-11-26). A server holds a round's
-# replies anyway (Flower returns them together); this bounds what an Accumulator keeps alive for a
-# caller that drops each payload after add().
-PENDING_SUMS = 2
+# payload bytes that may wait for that pass, in float64 sums' worth: fp32 replies go eight at a
+# time (none() decode + acc at 25M: 2.6-2.7 read passes a reply, against 2.9-3.0 four at a time and
+# 3.0 two at a time, 2026-11-26: each pass over the sums reads and writes 16 bytes an element). A
+# server holds a round's replies anyway (Flower returns them together); this bounds what an
+# Accumulator keeps alive for a caller that drops each payload after add().
+PENDING_SUMS = 4
 SUM_CHUNK = 1 << 18  # elements of the sum per step of that pass (2 MB of float64: in the cache)
 APPLY_CHUNK = 1 << 18  # elements per step of apply_step (three wide temporaries each: 5 MB)
 MAX_WEIGHT = float(2**53)  # largest weight accepted at all: beyond it counts are not exact in float64
@@ -449,8 +450,8 @@ class Accumulator:
     batch : int (default: 8)
         Dense replies (quantizer codes, PowerSGD factors) whose fused adds share one pass over
         the float64 sum. A checked reply waits, compact (its codes are views of its payload),
-        until ``batch`` of them are there, their payloads reach twice the sum's size (16 bytes
-        per element: fp32 replies go four at a time), or the sum is read (:meth:`flush`); then each
+        until ``batch`` of them are there, their payloads reach four times the sum's size (32
+        bytes per element: fp32 replies go eight at a time), or the sum is read (:meth:`flush`); then each
         chunk of the sum (2 MB, in the cache) takes every waiting reply in arrival order. The sum
         has the bits of adding them one at a time (the same additions per element, in the same
         order); the sum's memory traffic (16 bytes per element and pass, more than a 4-bit
@@ -478,7 +479,7 @@ class Accumulator:
         self._sums: dict[str, torch.Tensor] | None = None
         self._ints: dict[str, torch.Tensor] = {}
         self._pending: list[tuple[Update, float]] = []  # checked dense replies not yet in the sum
-        self._pending_bytes = 0  # their payloads: at most two float64 sums' worth wait (PENDING_SUMS)
+        self._pending_bytes = 0  # their payloads: at most four float64 sums' worth wait (PENDING_SUMS)
         self._spent = False
         reducer = getattr(codec, "reducer", None)
         # scatter-add path: a selector whose dense form is "values at positions, zero elsewhere"

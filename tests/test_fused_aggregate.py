@@ -87,17 +87,17 @@ def test_batched_adds_have_the_bits_of_one_at_a_time(spec, small_chunks):
     assert all(torch.equal(s[k], sums[0][k]) for s in sums[1:] for k in sums[0])
 
 
-def test_batch_is_checked_and_fp32_replies_wait_four_at_a_time():
+def test_batch_is_checked_and_fp32_replies_wait_eight_at_a_time():
     codec = fedcomp.build_codec("none()")
     layout = fedcomp.Layout.of(_model(0))
     for bad in (0, -1, 2.5, True, "8"):
         with pytest.raises(aggregate.AggregationError, match="batch="):
             Accumulator(codec, layout, batch=bad)
-    acc = Accumulator(codec, layout, batch=8)
-    for i in range(1, 4):
+    acc = Accumulator(codec, layout, batch=16)
+    for i in range(1, 8):
         acc.add(codec.encode(_model(i), nonce=i).payload, 1)
         assert len(acc._pending) == i
-    acc.add(codec.encode(_model(4), nonce=4).payload, 1)  # four fp32 payloads: two float64 sums' bytes
+    acc.add(codec.encode(_model(8), nonce=8).payload, 1)  # eight fp32 payloads: four float64 sums' bytes
     assert not acc._pending
 
 
