@@ -316,15 +316,14 @@ class Values:
         return y
 
 
-def _ternary_kernels(device: torch.device):
-    return kernels.get() if device.type == "cpu" else None
-
-
-def _loaded_ternary_kernels(device: torch.device) -> bool:
-    """Whether a ternary decode takes the compiled loops: CPU, kernels loaded already (a server, a
-    warm worker) or asked for (:func:`fedcomp.kernels.for_encode`). A fresh ClientApp process
-    decoding its own payload for error feedback keeps the torch ops (numba's import ~1.7 s)."""
-    return device.type == "cpu" and kernels.for_encode() is not None
+def _ternary_kernels(device: torch.device, *, load: bool = True):
+    """The kernels for a ternary read on ``device`` (CPU only; else None): loaded where need be
+    (``load``: a server's read), or only where loaded already or asked for
+    (:func:`fedcomp.kernels.for_encode`): a fresh ClientApp process decoding its own payload for
+    error feedback keeps the torch ops (numba's import ~1.7 s)."""
+    if device.type != "cpu":
+        return None
+    return kernels.get() if load else kernels.for_encode()
 
 
 def _ternary(src: Reader, count: int, device: torch.device, bad: int, message: str, table: list) -> Values:
@@ -1192,7 +1191,7 @@ class TwoBit(_ChecksummedRun, _TernaryRuns, Quantizer):
         return torch.where(codes == 3, t, torch.where(codes == 2, -t, 0.0)).float()
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
-        if count and _loaded_ternary_kernels(device):  # the compiled table loop (torch ops: ~65 read passes)
+        if count and _ternary_kernels(device, load=False) is not None:  # the compiled table loop (torch: ~65 read passes)
             return self.read_values(src, count, device).dense()
         codes = unpack_codes(src.take(packed_bytes(count, 2)).to(device), count, 2)
         if bool((codes == 1).any()):
@@ -1734,7 +1733,7 @@ class TernGrad(_ChecksummedRun, _TernaryRuns, Quantizer):
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         if count == 0:
             return torch.empty(0, device=device)
-        if _loaded_ternary_kernels(device):  # the compiled table loop (torch ops: ~65 read passes)
+        if _ternary_kernels(device, load=False) is not None:  # the compiled table loop (torch ops: ~65 read passes)
             return self.read_values(src, count, device).dense()
         s = src.tensor(1, torch.float32).to(device)[0]
         codes = unpack_codes(src.take(packed_bytes(count, 2)).to(device), count, 2)
