@@ -8,6 +8,7 @@ codes the values. Non-float tensors travel raw (exact).
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from fedcomp.pieces import Pieces
 from fedcomp import kernels
 from fedcomp.quantizers import HALF_CODES, read_values, runs, write_run, write_values
 from fedcomp.spec import parse_spec
-from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, header, open_payload, output_like
+from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, arena, header, open_payload, output_like
 
 _MASK64 = (1 << 64) - 1
 
@@ -421,8 +422,13 @@ class Codec:
         check_decodable(layout)
         src, nonce = open_payload(payload, layout.fingerprint(), self.fingerprint,
                                   tuple(range(1, self.wire_version + 1)))
+        # dense tensors on the CPU: carved out of one allocation (wire.arena; a buffer per tensor was
+        # mapped afresh on every decode); twice the fp32 size, for what a decode reads on the way
+        scope = arena(2 * layout.dense_bytes() + 64 * len(layout.tensors)) \
+            if expand and not lazy and torch.device(device).type == "cpu" else contextlib.nullcontext()
         try:
-            return self._decode_body(src, StageContext(nonce, round), layout, device, expand, lazy)
+            with scope:
+                return self._decode_body(src, StageContext(nonce, round), layout, device, expand, lazy)
         except FedcompError:
             raise
         except (RuntimeError, ValueError, IndexError, OverflowError) as exc:  # defence in depth: fuzzing finds none

@@ -141,6 +141,77 @@ def test_large_sparse_decodes_start_from_calloc_zeros():
     assert small.dtype == torch.float32 and not small.any()
 
 
+def test_an_arena_carves_aligned_buffers_in_order_and_falls_back_when_full():
+    """Inside ``wire.arena(n)`` this thread's host_empty / host_zeros buffers are consecutive,
+    64-byte aligned views of one zeroed storage; a request past its end, another thread's, one
+    after the scope, or any in a scope below MMAPPED bytes gets a buffer of its own."""
+    import threading
+
+    n = wire.MMAPPED
+    with wire.arena(n):
+        a = wire.host_empty(5, torch.float32)
+        b = wire.host_zeros(3, torch.float64)
+        c = wire.host_empty((2, 3), torch.int16)
+        with wire.arena(n):  # a nested scope has its own storage; the outer one goes on after it
+            inner = wire.host_empty(4, torch.float32)
+        d = wire.host_empty(7, torch.uint8)
+        other = []
+        thread = threading.Thread(target=lambda: other.append(wire.host_empty(5, torch.float32)))
+        thread.start()
+        thread.join()
+        big = wire.host_zeros(n // 4, torch.float32)  # does not fit what is left
+    after = wire.host_empty(5, torch.float32)
+    base = a.untyped_storage().data_ptr()
+    assert [t.data_ptr() - base for t in (a, b, c, d)] == [0, 64, 128, 192]
+    assert all(t.untyped_storage().data_ptr() == base for t in (a, b, c, d))
+    assert c.shape == (2, 3) and c.dtype == torch.int16 and not b.any() and not d.any()
+    for t in (inner, other[0], big, after):
+        assert t.untyped_storage().data_ptr() != base
+    assert inner.untyped_storage().nbytes() >= n and not big.any() and big.numel() == n // 4
+    a.fill_(1.0)  # writable, and apart from its neighbours
+    assert not b.any() and a.sum() == 5
+    with wire.arena(n - 1):
+        small = wire.host_empty(5, torch.float32)
+    assert small.untyped_storage().nbytes() == 20
+
+
+def test_a_dense_decode_of_many_tensors_fills_one_storage_with_the_same_values():
+    """A CPU decode carves its large dense tensors out of one allocation (``wire.arena``; small
+    ones may come from torch's allocator): each is what the decode gave before, writable and
+    apart from the others."""
+    g = torch.Generator().manual_seed(8)
+    update = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate((1_500_000, 3, 2_900_001, 1000))}
+    update["steps"] = torch.tensor([3, 4])
+    update["half"] = torch.randn(100_000, generator=g).half()
+    layout = fedcomp.Layout.of(update)
+    assert 2 * layout.dense_bytes() >= wire.MMAPPED
+    for spec in ("none()", "kbit(bits=4)", "topk(ratio=0.01)+qsgd(bits=4)"):
+        codec = fedcomp.build_codec(spec)
+        enc = codec.encode(update, nonce=3)
+        got = codec.decode(enc.payload, layout)
+        with monkeypatch_arena_off():
+            want = codec.decode(enc.payload, layout)
+        assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in update), spec
+        assert got["t0"].untyped_storage().data_ptr() == got["t2"].untyped_storage().data_ptr(), spec
+        if not spec.startswith("topk"):  # (a global top-k's tensors are views of one segment anyway)
+            assert want["t0"].untyped_storage().data_ptr() != want["t2"].untyped_storage().data_ptr(), spec
+        if spec == "none()":
+            assert all(torch.equal(got[k].float(), update[k].float()) for k in ("t0", "t1", "t2", "t3", "half"))
+        got["t1"].fill_(7.0)
+        assert torch.equal(got["t0"], want["t0"]) and torch.equal(got["t2"], want["t2"]), spec
+
+
+class monkeypatch_arena_off:
+    """Decode without the arena (wire.MMAPPED above any scope: nothing is carved)."""
+
+    def __enter__(self):
+        self.saved = wire.MMAPPED
+        wire.MMAPPED = 1 << 62
+
+    def __exit__(self, *exc):
+        wire.MMAPPED = self.saved
+
+
 def test_large_elementwise_results_go_into_fresh_buffers_with_the_same_values():
     """update + residual and update - decoded of large tensors are written into
     ``wire.output_like`` buffers (huge pages): the values of torch's own ops, shape and dtype kept."""
