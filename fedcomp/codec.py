@@ -423,8 +423,9 @@ class Codec:
         src, nonce = open_payload(payload, layout.fingerprint(), self.fingerprint,
                                   tuple(range(1, self.wire_version + 1)))
         # dense tensors on the CPU: carved out of one allocation (wire.arena; a buffer per tensor was
-        # mapped afresh on every decode); twice the fp32 size, for what a decode reads on the way
-        scope = arena(2 * layout.dense_bytes() + 64 * len(layout.tensors)) \
+        # mapped afresh on every decode); a quarter more than the fp32 size, for what a decode reads
+        # on the way (a sparse decode's kept values)
+        scope = arena(layout.dense_bytes() * 5 // 4 + 64 * len(layout.tensors)) \
             if expand and not lazy and torch.device(device).type == "cpu" else contextlib.nullcontext()
         try:
             with scope:

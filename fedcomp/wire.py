@@ -214,8 +214,9 @@ class arena:
     :func:`host_zeros` buffers are carved, one after another (64-byte aligned), out of one fresh
     zeroed allocation of ``nbytes`` (huge pages where large; a request that no longer fits gets
     a buffer of its own). Nothing is carved twice, so a carved buffer is zero until written.
-    Scopes of under MMAPPED bytes carve nothing. The buffers are views of one storage: it lives
-    while any of them does (the untouched rest is address space, not memory).
+    Scopes of under MMAPPED bytes carve nothing, nor one whose allocation the system refuses.
+    The buffers are views of one storage: it lives while any of them does (the untouched rest is
+    address space, not memory).
 
     Why: a dense decode of a many-tensor model makes a buffer per tensor, and glibc returns such
     buffers to the system when they are freed and maps them afresh the next time (a first write
@@ -227,7 +228,12 @@ class arena:
 
     def __enter__(self) -> "arena":
         self._outer = getattr(_ARENA, "state", None)
-        _ARENA.state = [torch.from_numpy(np.zeros(self.nbytes, dtype=np.uint8)), 0] if self.nbytes >= MMAPPED else None
+        _ARENA.state = None
+        if self.nbytes >= MMAPPED:
+            try:
+                _ARENA.state = [torch.from_numpy(np.zeros(self.nbytes, dtype=np.uint8)), 0]
+            except MemoryError:  # address space the system will not promise: each buffer on its own
+                pass
         return self
 
     def __exit__(self, *exc) -> None:
