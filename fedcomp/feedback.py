@@ -17,7 +17,7 @@ import torch
 from fedcomp.base import Reducer, StageContext, add_residual
 from fedcomp.codec import Codec, Encoded, LazyDecoded
 from fedcomp.layout import Layout
-from fedcomp.wire import output_like
+from fedcomp.wire import arena, output_like
 
 
 def compress(
@@ -64,16 +64,16 @@ def compress(
     decoded = encoded.decoded
     subtract = decoded.subtract_ if isinstance(decoded, LazyDecoded) else None
     new_residual = {}
-    for name, t in target.items():
-        if not t.is_floating_point():
-            continue
-        dtype = torch.promote_types(t.dtype, torch.float32)  # fp32, or float64 for float64 tensors
-        if subtract is None:
-            new_residual[name] = torch.sub(t.to(dtype), decoded[name].to(dtype), out=output_like(t, dtype))
-            continue
-        fresh = own and name in kept and t.dtype == dtype and t is not update[name]
-        e = t if fresh else output_like(t, dtype).copy_(t)
-        new_residual[name] = subtract(name, e)
+    floats = {name: (t, torch.promote_types(t.dtype, torch.float32))  # fp32, or float64 for float64 tensors
+              for name, t in target.items() if t.is_floating_point()}
+    with arena(sum(t.numel() * dtype.itemsize + 64 for t, dtype in floats.values())):  # one allocation (wire.arena)
+        for name, (t, dtype) in floats.items():
+            if subtract is None:
+                new_residual[name] = torch.sub(t.to(dtype), decoded[name].to(dtype), out=output_like(t, dtype))
+                continue
+            fresh = own and name in kept and t.dtype == dtype and t is not update[name]
+            e = t if fresh else output_like(t, dtype).copy_(t)
+            new_residual[name] = subtract(name, e)
     if hasattr(codec, "without_feedback"):  # a policy with a rule that takes none
         for name in codec.without_feedback(Layout.of(target), round):
             new_residual.pop(name, None)

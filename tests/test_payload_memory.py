@@ -212,6 +212,23 @@ def test_a_dense_decode_of_many_tensors_fills_one_storage_with_the_same_values()
         assert torch.equal(got["t0"], want["t0"]) and torch.equal(got["t2"], want["t2"]), spec
 
 
+@pytest.mark.parametrize("spec", ["kbit(bits=4)", "topk(ratio=0.01)+qsgd(bits=4)"])
+def test_large_residuals_share_one_allocation_and_keep_their_values(spec):
+    """compress()'s new residual of a large many-tensor update is carved out of one allocation
+    (``wire.arena``), with the values of update - decoded, tensor by tensor."""
+    from fedcomp.feedback import compress
+
+    g = torch.Generator().manual_seed(9)
+    update = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate((4_000_000, 5_000_000, 17))}
+    codec = fedcomp.build_codec(spec)
+    encoded, residual = compress(codec, update, nonce=5)
+    decoded = codec.decode(encoded.payload, fedcomp.Layout.of(update))
+    assert all(torch.equal(residual[k], update[k] - decoded[k]) for k in update)
+    assert residual["t0"].untyped_storage().data_ptr() == residual["t1"].untyped_storage().data_ptr()
+    residual["t0"].zero_()
+    assert torch.equal(residual["t1"], update["t1"] - decoded["t1"])
+
+
 class monkeypatch_arena_off:
     """Decode without the arena (wire.MMAPPED above any scope: nothing is carved)."""
 
