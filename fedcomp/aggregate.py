@@ -348,6 +348,7 @@ class Update:
     run: object | None = None  # every dense segment at once (quantizers.RunReply), for compiled checks and adds
     names: list[str] = field(default_factory=list)  # the run's segments' tensors, in order
     held: tuple[torch.Tensor, torch.Tensor] | None = None  # waiting sparse reply: (ascending flat positions, fp32 values)
+    ascending: bool = False  # the parts' positions are ascending, parts in order of offset (Selector.ascending)
 
     def _read_lazy(self) -> None:
         """A run read the per-segment way (:attr:`lazy`), for callers that take pieces."""
@@ -515,6 +516,7 @@ class Accumulator:
                     raise DecodeError(f"{vals.numel()} values for {idx.numel()} positions")
                 parts.append((self._offsets[self.layout.tensors[group[0]].name][0], idx, vals))
             ints = {self.layout.tensors[i].name: t for i, t in raw.items()}
+            ascending = codec.reducer.ascending and all(a[0] < b[0] for a, b in zip(parts, parts[1:]))
         elif isinstance(codec, Codec):
             got = codec.read_run(payload, self.layout, self.device, sq_chunk=CHUNK) if self._runs else None
             if got is not None:  # every segment at once: compiled check and add
@@ -535,7 +537,7 @@ class Accumulator:
         for _, _, vals in parts:
             if not _finite(vals):
                 raise UpdateRejected("update has NaN or Inf values")
-        return Update(parts, ints)
+        return Update(parts, ints, ascending=ascending)
 
     def dense_update(self, tensors: Mapping[str, torch.Tensor]) -> Update:
         """An :class:`Update` of named dense tensors matching the layout (checked like payloads)."""
@@ -627,6 +629,8 @@ class Accumulator:
             pos.append(idx + start if start else idx)
             vals.append(v.detach().reshape(-1))
         pos, vals = (pos[0], vals[0]) if len(pos) == 1 else (torch.cat(pos), torch.cat(vals))
+        if update.ascending:  # a selector's positions, in order already (an ordering pass of 20 MB at a tenth of 25M)
+            return pos.contiguous(), vals.contiguous()
         return _ascending(pos.contiguous(), vals.contiguous())
 
     def flush(self) -> None:

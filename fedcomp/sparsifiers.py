@@ -255,6 +255,8 @@ def sample_generator(ctx: StageContext, seg: Segment) -> torch.Generator:
 class _CodedIndices(Selector):
     """Selectors that send their positions: u32 k, then the index stream."""
 
+    ascending = True  # both index codings are read strictly ascending and below n (else DecodeError)
+
     def validate(self) -> None:
         if self.config.scope not in SCOPES:
             self.fail("scope", f"one of {SCOPES}")
@@ -418,6 +420,7 @@ class RandomK(Selector):
 
     name = "randomk"
     wire_version = 3  # the positions' draw (see _draw); format-1 and -2 payloads decode with theirs
+    ascending = True  # every format's positions are drawn sorted
     budget_args = {"rescale": False}  # budgeted: unscaled, with error feedback (see above)
     accepts_pieces = True  # a global segment over several tensors is gathered in place (no concatenation)
     cross_device = {"ratio": 0.25}  # rescaled (the default): fewer clients average out the n/k variance

@@ -182,6 +182,33 @@ def test_sparse_positions_out_of_order_are_sorted_before_they_wait():
     assert aggregate._ascending(same, vals)[0] is same
 
 
+@pytest.mark.parametrize("spec", ["topk(ratio=0.1,scope='tensor')", "randomk(ratio=0.2)", "threshold(ratio=0.1)"])
+def test_selectors_reading_ascending_positions_skip_the_ordering_pass(spec, monkeypatch):
+    """A built-in selector's reply (Selector.ascending) waits with its positions as read, without
+    the ordering pass; a selector that does not say so is still checked; the sums are the same."""
+    g = torch.Generator().manual_seed(12)
+    model = {"a": torch.randn(300, generator=g), "n": torch.tensor([2]), "b": torch.randn(40, 5, generator=g)}
+    layout = fedcomp.Layout.of(model)
+    codec = fedcomp.build_codec(spec)
+    payload = codec.encode(model, nonce=3).payload
+    calls = []
+    real = aggregate._ascending
+    monkeypatch.setattr(aggregate, "_ascending", lambda p, v: calls.append(len(p)) or real(p, v))
+
+    def total():
+        acc = aggregate.Accumulator(codec, layout, batch=4)
+        update = acc.decode(payload)
+        acc.add_update(update, 2.0)
+        return update.ascending, acc.sum()
+
+    fast, got = total()
+    assert fast and not calls
+    monkeypatch.setattr(type(codec.reducer), "ascending", False)
+    checked, want = total()
+    assert not checked and calls
+    assert all(torch.equal(got[k], want[k]) for k in want) and any(bool(want[k].ne(0).any()) for k in want)
+
+
 # -- raw replies: the checksum taken while the values are summed (Codec.read_run(sq_chunk=...)) --
 def _big_model(seed: int) -> dict[str, torch.Tensor]:
     from fedcomp import _numba_kernels as k
