@@ -53,6 +53,7 @@ import torch
 
 from fedcomp import kernels
 from fedcomp.base import Selector
+from fedcomp.sparsifiers import reads_ascending
 from fedcomp.codec import Codec
 from fedcomp.errors import DecodeError, FedcompError
 from fedcomp.wire import MMAPPED, host_empty, host_zeros
@@ -348,7 +349,7 @@ class Update:
     run: object | None = None  # every dense segment at once (quantizers.RunReply), for compiled checks and adds
     names: list[str] = field(default_factory=list)  # the run's segments' tensors, in order
     held: tuple[torch.Tensor, torch.Tensor] | None = None  # waiting sparse reply: (ascending flat positions, fp32 values)
-    ascending: bool = False  # the parts' positions are ascending, parts in order of offset (Selector.ascending)
+    ascending: bool = False  # the parts' positions are ascending, parts in order of offset (reads_ascending)
 
     def _read_lazy(self) -> None:
         """A run read the per-segment way (:attr:`lazy`), for callers that take pieces."""
@@ -516,7 +517,7 @@ class Accumulator:
                     raise DecodeError(f"{vals.numel()} values for {idx.numel()} positions")
                 parts.append((self._offsets[self.layout.tensors[group[0]].name][0], idx, vals))
             ints = {self.layout.tensors[i].name: t for i, t in raw.items()}
-            ascending = codec.reducer.ascending and all(a[0] < b[0] for a, b in zip(parts, parts[1:]))
+            ascending = reads_ascending(codec.reducer) and all(a[0] < b[0] for a, b in zip(parts, parts[1:]))
         elif isinstance(codec, Codec):
             got = codec.read_run(payload, self.layout, self.device, sq_chunk=CHUNK) if self._runs else None
             if got is not None:  # every segment at once: compiled check and add

@@ -288,9 +288,6 @@ class Selector(Reducer):
 
     sparse = True
     budget_knobs = (Knob("ratio", "fraction"),)  # a subclass without a ratio sets its own (or ())
-    # read_indices returns strictly ascending positions below the segment's size (checked or
-    # built so), and the server need not sort a reply's positions (False: it checks them)
-    ascending = False
 
     def select(self, x: torch.Tensor, ctx: StageContext, seg: Segment) -> torch.Tensor:
         """Sorted int64 indices of the kept elements of the segment ``x``."""

@@ -147,7 +147,10 @@ def rice_decode(unary: torch.Tensor, rem: torch.Tensor, k: int, r: int, n: int) 
     if k and int(q.max()) > (n >> r):
         raise DecodeError(f"index gap out of range for {n} positions")
     remainders = unpack_bits(rem, k, r) if r else torch.zeros(k, dtype=torch.int64, device=unary.device)
-    indices = torch.cumsum((q << r) + remainders + 1, 0) - 1
+    gaps = (q << r) + remainders + 1
+    if k and int(gaps.max()) > n:  # (each gap at most n: k of them cannot wrap int64's sum)
+        raise DecodeError(f"index gap out of range for {n} positions")
+    indices = torch.cumsum(gaps, 0) - 1
     if k and int(indices[-1]) >= n:
         raise DecodeError(f"index {int(indices[-1])} out of range for {n} positions")
     return indices

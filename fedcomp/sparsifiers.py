@@ -255,8 +255,6 @@ def sample_generator(ctx: StageContext, seg: Segment) -> torch.Generator:
 class _CodedIndices(Selector):
     """Selectors that send their positions: u32 k, then the index stream."""
 
-    ascending = True  # both index codings are read strictly ascending and below n (else DecodeError)
-
     def validate(self) -> None:
         if self.config.scope not in SCOPES:
             self.fail("scope", f"one of {SCOPES}")
@@ -420,7 +418,6 @@ class RandomK(Selector):
 
     name = "randomk"
     wire_version = 3  # the positions' draw (see _draw); format-1 and -2 payloads decode with theirs
-    ascending = True  # every format's positions are drawn sorted
     budget_args = {"rescale": False}  # budgeted: unscaled, with error feedback (see above)
     accepts_pieces = True  # a global segment over several tensors is gathered in place (no concatenation)
     cross_device = {"ratio": 0.25}  # rescaled (the default): fewer clients average out the n/k variance
@@ -487,3 +484,14 @@ class RandomK(Selector):
     def side_nbytes(self, seg: Segment, count: int) -> int | None:
         return 0
 
+
+_ASCENDING_READERS = (_CodedIndices.read_indices, RandomK.read_indices)
+
+
+def reads_ascending(selector: Selector) -> bool:
+    """Whether ``selector`` reads its positions with one of the built-in readers, which return
+    them strictly ascending and below the segment's size (both index codings check it, or raise a
+    DecodeError; random-k draws them so): the server then adds them as read. A selector that reads
+    its own way (a subclass overriding ``read_indices`` too) has its positions ordered first
+    (:func:`fedcomp.aggregate._ascending`): the compiled add walks them in order."""
+    return type(selector).read_indices in _ASCENDING_READERS

@@ -280,6 +280,21 @@ def test_rice_decode_loop_refuses_what_torch_refuses(defect):
         bitpack.rice_decode(unary, rem, k, r, n)
 
 
+def test_rice_decode_refuses_a_gap_beyond_the_segment_on_both_paths(monkeypatch):
+    """Every gap is checked, not only the last index: a remainder of r = 40 bits makes each gap up
+    to 2**40, and enough of them would wrap int64's sum back below n (as strictly ascending
+    positions below n is what the server adds without ordering them)."""
+    n, r = 100, 40
+    unary, rem = bitpack.rice_encode(torch.tensor([0, 1]), r)
+    rem = torch.full_like(rem, 0xFF)  # each gap 2**40
+    for compiled in (True, False):
+        with monkeypatch.context() as m:
+            if not compiled:
+                m.setattr(kernels, "get", lambda: None)
+            with pytest.raises(DecodeError, match="gap"):
+                bitpack.rice_decode(unary, rem, 2, r, n)
+
+
 class _FakeDispatcher:
     """Records the forced vector width in effect when numba would compile it."""
 

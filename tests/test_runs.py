@@ -184,8 +184,8 @@ def test_sparse_positions_out_of_order_are_sorted_before_they_wait():
 
 @pytest.mark.parametrize("spec", ["topk(ratio=0.1,scope='tensor')", "randomk(ratio=0.2)", "threshold(ratio=0.1)"])
 def test_selectors_reading_ascending_positions_skip_the_ordering_pass(spec, monkeypatch):
-    """A built-in selector's reply (Selector.ascending) waits with its positions as read, without
-    the ordering pass; a selector that does not say so is still checked; the sums are the same."""
+    """A built-in selector's reply (sparsifiers.reads_ascending) waits with its positions as read,
+    without the ordering pass; one that reads its own way is still ordered; the sums are the same."""
     g = torch.Generator().manual_seed(12)
     model = {"a": torch.randn(300, generator=g), "n": torch.tensor([2]), "b": torch.randn(40, 5, generator=g)}
     layout = fedcomp.Layout.of(model)
@@ -203,7 +203,8 @@ def test_selectors_reading_ascending_positions_skip_the_ordering_pass(spec, monk
 
     fast, got = total()
     assert fast and not calls
-    monkeypatch.setattr(type(codec.reducer), "ascending", False)
+    read = type(codec.reducer).read_indices
+    monkeypatch.setattr(type(codec.reducer), "read_indices", lambda self, *a: read(self, *a))  # its own reader
     checked, want = total()
     assert not checked and calls
     assert all(torch.equal(got[k], want[k]) for k in want) and any(bool(want[k].ne(0).any()) for k in want)
@@ -408,3 +409,29 @@ def test_half_tensors_beyond_a_part_check_to_the_per_segment_norm(spec, monkeypa
     assert results[0][0] == results[1][0]
     for name in model:
         assert torch.equal(results[0][1][name], results[1][1][name]), name
+
+
+def test_a_subclass_reading_positions_its_own_way_is_ordered_before_the_add():
+    """A selector subclass whose reader returns positions out of order (in range) still gets them
+    ordered before the compiled add (which walks them in order: unordered, it would write outside
+    the tensor's sum), so the sum is its own dense decode."""
+    from fedcomp import sparsifiers
+
+    class Shuffled(sparsifiers.TopK):
+        def read_indices(self, src, seg, ctx, device):
+            return super().read_indices(src, seg, ctx, device).flip(0)
+
+    codec = fedcomp.build_codec("topk(ratio=0.5,scope='tensor')")
+    codec.reducer = Shuffled(codec.reducer.config)
+    assert not sparsifiers.reads_ascending(codec.reducer)
+    g = torch.Generator().manual_seed(13)
+    model = {"a": torch.randn(10, generator=g), "b": torch.randn(2, generator=g), "c": torch.randn(8, generator=g)}
+    layout = fedcomp.Layout.of(model)
+    payload = codec.encode(model, nonce=1).payload
+    acc = aggregate.Accumulator(codec, layout, batch=4)
+    update = acc.decode(payload)
+    assert not update.ascending
+    acc.add_update(update, 1.0)
+    got, want = acc.sum(), codec.decode(payload, layout)  # its values at its positions, as it reads them
+    assert all(torch.equal(got[name].float(), want[name]) for name in model)
+    assert any(bool(want[name].ne(0).any()) for name in model)
