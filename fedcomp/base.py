@@ -38,7 +38,7 @@ import torch
 
 from fedcomp.errors import SpecError
 from fedcomp.layout import TensorSpec
-from fedcomp.wire import Reader, Writer, host_zeros, output_like
+from fedcomp.wire import Reader, Writer, output_like, output_zeros
 
 REGISTRY: dict[str, type["Stage"]] = {}
 SCALES = ("fraction", "count", "block", "levels")  # how a budget knob's values run (see Knob)
@@ -317,7 +317,7 @@ class Selector(Reducer):
         return aux.numel()
 
     def expand(self, values, aux, seg):
-        y = host_zeros(seg.numel) if values.device.type == "cpu" else torch.zeros(seg.numel, device=values.device)
+        y = output_zeros(seg.numel) if values.device.type == "cpu" else torch.zeros(seg.numel, device=values.device)
         y[aux] = values
         return y
 

@@ -422,33 +422,37 @@ class Codec:
         check_decodable(layout)
         src, nonce = open_payload(payload, layout.fingerprint(), self.fingerprint,
                                   tuple(range(1, self.wire_version + 1)))
-        # dense tensors on the CPU: carved out of one allocation (wire.arena; a buffer per tensor was
-        # mapped afresh on every decode); a quarter more than the fp32 size, for what a decode reads
-        # on the way (a sparse decode's kept values)
-        scope = arena(layout.dense_bytes() * 5 // 4 + 64 * len(layout.tensors)) \
-            if expand and not lazy and torch.device(device).type == "cpu" else contextlib.nullcontext()
+        carve = expand and not lazy and torch.device(device).type == "cpu" \
+            and all(t.torch_dtype == torch.float32 for t in layout.tensors if t.is_float)
         try:
-            with scope:
-                return self._decode_body(src, StageContext(nonce, round), layout, device, expand, lazy)
+            with arena(0):  # nothing from a caller's arena (a lazy decode inside compress()'s scope)
+                return self._decode_body(src, StageContext(nonce, round), layout, device, expand, lazy, carve)
         except FedcompError:
             raise
         except (RuntimeError, ValueError, IndexError, OverflowError) as exc:  # defence in depth: fuzzing finds none
             raise DecodeError(f"malformed payload: {exc}") from exc
 
     def _decode_body(self, src: Reader, ctx: StageContext, layout: Layout, device: torch.device, expand: bool,
-                     lazy: bool = False):
+                     lazy: bool = False, carve: bool = False):
         # Two passes: read and check the whole body first (every length against the layout,
         # no trailing bytes), and only then build the dense tensors, so a malformed payload
         # never costs a model-sized allocation.
+        # ``carve`` (a dense decode of an fp32 model on the CPU): the tensors are carved out of one
+        # allocation (wire.arena: a buffer per tensor was mapped afresh on every decode), where
+        # they are made: a quantizer's values as they are read, a reducer's dense forms as they
+        # are expanded (its kept values are scratch, and go where they went)
+        floats = 4 * sum(t.numel for t in layout.tensors if t.is_float) + 64 * len(layout.tensors)
+        carved = (lambda: arena(floats)) if carve else contextlib.nullcontext
         read = []
         values = (lambda n: read_values(self.quantizer, src, n, device)) if lazy else (
             lambda n: self.quantizer.decode(src, n, device))
-        for seg, group in self.segments(layout):
-            if self.reducer is None:
-                read.append((seg, group, None, values(seg.numel)))
-            else:
-                aux = self.reducer.read(src, seg, ctx, device)
-                read.append((seg, group, aux, values(self.reducer.value_count(aux, seg))))
+        with carved() if self.reducer is None else contextlib.nullcontext():
+            for seg, group in self.segments(layout):
+                if self.reducer is None:
+                    read.append((seg, group, None, values(seg.numel)))
+                else:
+                    aux = self.reducer.read(src, seg, ctx, device)
+                    read.append((seg, group, aux, values(self.reducer.value_count(aux, seg))))
         raw = {i: src.tensor(spec.numel, spec.torch_dtype) for i, spec in enumerate(layout.tensors) if not spec.is_float}
         src.finish()
         if expand is None:
@@ -456,9 +460,10 @@ class Codec:
         if not expand:
             return [vals for _, _, _, vals in read]
         decoded: list[torch.Tensor | None] = [None] * len(layout.tensors)
-        for seg, group, aux, vals in read:
-            y = vals if self.reducer is None else self.reducer.expand(vals, aux, seg)
-            self._split(y, group, layout, decoded)
+        with carved() if self.reducer is not None else contextlib.nullcontext():
+            for seg, group, aux, vals in read:
+                y = vals if self.reducer is None else self.reducer.expand(vals, aux, seg)
+                self._split(y, group, layout, decoded)
         for i, t in raw.items():
             decoded[i] = t.view(layout.tensors[i].shape).to(device)
         return {name: t for name, t in zip(layout.names, decoded)}  # type: ignore[misc]

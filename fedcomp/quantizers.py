@@ -16,7 +16,7 @@ from fedcomp import kernels, uniforms
 from fedcomp.base import Knob, Quantizer, block_size, blocks, register
 from fedcomp.bitpack import pack_bits, packed_bytes, unpack_bits, unpack_codes, unpack_flags
 from fedcomp.errors import DecodeError
-from fedcomp.wire import CHECKSUM_MISMATCH, HEADER_BYTES, MMAPPED, TRAILER_BYTES, Reader, Writer, crc32, host_empty
+from fedcomp.wire import CHECKSUM_MISMATCH, HEADER_BYTES, TRAILER_BYTES, Reader, Writer, carving, crc32, output_empty
 
 _FP16_MAX = 65504.0
 CODINGS = ("packed", "ans")  # how kbit/qsgd codes travel: fixed width, or entropy coded (fedcomp.entropy)
@@ -303,10 +303,11 @@ class Values:
     def dense(self) -> torch.Tensor:
         """Every value, one fp32 tensor (built chunk by chunk: temporaries stay chunk-sized)."""
         m = self.numel
-        if m <= self.step():
+        cpu = self.device.type == "cpu"
+        if m <= self.step() and not (m and cpu and carving()):  # (in an open arena: built into its buffer)
             return self._build(0, m) if m else torch.empty(0, device=self.device)
-        # on the CPU in huge pages where large (wire.MMAPPED): a fresh 100 MB torch tensor faults 25,600 4 kB pages
-        y = host_empty(m, torch.float32, MMAPPED) if self.device.type == "cpu" else torch.empty(m, device=self.device)
+        # on the CPU in huge pages where large (wire.output_empty): a fresh 100 MB torch tensor faults 25,600 4 kB pages
+        y = output_empty(m) if cpu else torch.empty(m, device=self.device)
         for lo in range(0, m, self.step()):
             hi = min(m, lo + self.step())
             if self._into is not None:
@@ -720,7 +721,7 @@ class Identity(_RawRuns, Quantizer):
         return int(crc)
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
-        return src.tensor(count, torch.float32).to(device)
+        return src.tensor(count, torch.float32, output=True).to(device)
 
     def read_values(self, src: Reader, count: int, device: torch.device) -> Values:
         data = src.take(4 * count)  # a view of the payload: copied chunk by chunk

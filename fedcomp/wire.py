@@ -206,34 +206,39 @@ def join(views: list) -> bytes:
 
 
 MMAPPED = 32 << 20  # glibc's largest mmap threshold: malloc maps every buffer this large afresh
-_ARENA = threading.local()  # .state: [one fresh uint8 CPU tensor, its next free offset] inside arena()
+_ARENA = threading.local()  # .state: [one fresh uint8 CPU tensor, its next free offset, dtype] inside arena()
 
 
 class arena:
-    """A scope (``with arena(nbytes):``) in which this thread's :func:`host_empty` and
-    :func:`host_zeros` buffers are carved, one after another (64-byte aligned), out of one fresh
-    zeroed allocation of ``nbytes`` (huge pages where large; a request that no longer fits gets
-    a buffer of its own). Nothing is carved twice, so a carved buffer is zero until written.
-    Scopes of under MMAPPED bytes carve nothing, nor one whose allocation the system refuses.
-    The buffers are views of one storage: it lives while any of them does (the untouched rest is
-    address space, not memory).
+    """A scope (``with arena(nbytes):``) in which this thread's result buffers of ``dtype`` (fp32
+    by default) from :func:`output_empty`, :func:`output_zeros` and :func:`output_like` are carved,
+    one after another (64-byte aligned), out of one fresh zeroed allocation of ``nbytes`` (huge
+    pages where large; a request that no longer fits, or of another dtype, gets a buffer of its
+    own; scratch from :func:`host_empty` / :func:`host_zeros` never comes from it). Nothing is
+    carved twice, so a carved buffer is zero until written. A scope of under MMAPPED bytes carves
+    nothing, and hides an outer scope (``arena(0)``), nor does one whose allocation the system
+    refuses. The buffers are views of one storage: it lives while any of them does (the untouched
+    rest is address space, not memory), and ``torch.save`` or ``copy.deepcopy`` of one of them
+    alone takes the whole storage, as for any view (``clone()`` one to keep it alone).
 
     Why: a dense decode of a many-tensor model makes a buffer per tensor, and glibc returns such
     buffers to the system when they are freed and maps them afresh the next time (a first write
     faults every 4 kB page): the ResNet-50 layout's 161 tensors (25.6M fp32) decoded at 9-11 read
     passes of the update, its bytes copied at ~4 GB/s (2026-11-26)."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
+    def __init__(self, nbytes: int, dtype: torch.dtype = torch.float32) -> None:
+        self.nbytes, self.dtype = nbytes, dtype
 
     def __enter__(self) -> "arena":
         self._outer = getattr(_ARENA, "state", None)
         _ARENA.state = None
         if self.nbytes >= MMAPPED:
             try:
-                _ARENA.state = [torch.from_numpy(np.zeros(self.nbytes, dtype=np.uint8)), 0]
+                buf = torch.from_numpy(np.zeros(self.nbytes + 64, dtype=np.uint8))
             except MemoryError:  # address space the system will not promise: each buffer on its own
                 pass
+            else:
+                _ARENA.state = [buf, -buf.data_ptr() % 64, self.dtype]  # offset of the next carve (aligned)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -242,15 +247,36 @@ class arena:
 
 def _carve(nbytes: int, dtype: torch.dtype) -> torch.Tensor | None:
     """``nbytes`` of the current :class:`arena` as a flat ``dtype`` tensor, or None (no arena,
-    no room, a complex dtype)."""
+    no room, another dtype than the arena's)."""
     state = getattr(_ARENA, "state", None)
-    if state is None or dtype.is_complex:
+    if state is None or dtype != state[2]:
         return None
-    buf, at = state
+    buf, at, _ = state
     if at + nbytes > buf.numel():
         return None
-    state[1] = -(-(at + nbytes) // 64) * 64
-    return buf[at:at + nbytes].view(dtype)
+    end = at + nbytes
+    state[1] = end + (-(buf.data_ptr() + end)) % 64  # the next one at an aligned address
+    return buf[at:end].view(dtype)
+
+
+def carving(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this thread has an open :class:`arena` of ``dtype``."""
+    state = getattr(_ARENA, "state", None)
+    return state is not None and state[2] == dtype
+
+
+def output_empty(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A fresh flat CPU buffer of n values for a result the caller hands back: carved out of the
+    open :class:`arena` where there is one of ``dtype`` with room, else
+    ``host_empty(n, dtype, MMAPPED)``."""
+    carved = _carve(n * dtype.itemsize, dtype)
+    return carved if carved is not None else host_empty(n, dtype, MMAPPED)
+
+
+def output_zeros(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`output_empty`, zero: carved (a carve is zero until written) or :func:`host_zeros`."""
+    carved = _carve(n * dtype.itemsize, dtype)
+    return carved if carved is not None else host_zeros(n, dtype)
 
 
 def host_empty(shape, dtype: torch.dtype, at_least: int | None = None) -> torch.Tensor:
@@ -263,8 +289,6 @@ def host_empty(shape, dtype: torch.dtype, at_least: int | None = None) -> torch.
     mmap threshold adapts to the sizes freed), which no fresh buffer beats (2026-11-26: decode
     of the ResNet-50 layout at 4 MB 4.1-7.0 read passes, at 32 MB 2.9-4.4)."""
     n = math.prod(shape) if isinstance(shape, tuple) else shape
-    if (carved := _carve(n * dtype.itemsize, dtype)) is not None:
-        return carved.view(shape)
     if n * dtype.itemsize < (HUGE if at_least is None else at_least):  # torch's allocator is quicker
         return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(np.empty(n * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
@@ -272,12 +296,13 @@ def host_empty(shape, dtype: torch.dtype, at_least: int | None = None) -> torch.
 
 def output_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A fresh contiguous buffer of ``t``'s shape and device (``dtype``: t's by default) for an
-    elementwise result: on the CPU from numpy in huge pages where it is MMAPPED bytes or more.
-    Why: ``a - b`` of 25M fp32 into fresh torch memory measured 13.3 read passes, 4.4 into this."""
+    elementwise result: on the CPU carved out of an open :class:`arena`, or from numpy in huge
+    pages where it is MMAPPED bytes or more (:func:`output_empty`). Why: ``a - b`` of 25M fp32 into
+    fresh torch memory measured 13.3 read passes, 4.4 into this."""
     dtype = t.dtype if dtype is None else dtype
     if t.device.type != "cpu":
         return torch.empty(t.shape, dtype=dtype, device=t.device)
-    return host_empty(t.numel(), dtype, MMAPPED).view(t.shape)
+    return output_empty(t.numel(), dtype).view(t.shape)
 
 
 def host_zeros(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -285,8 +310,6 @@ def host_zeros(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     is written until used) where it is MMAPPED bytes or more, else torch's. Why: ``torch.zeros``
     of 100 MB writes every byte of freshly mapped memory (4 kB page faults, then the zeros): a
     sparse decode at 25M (k values into zeros) took ~10 read passes, ~2.2 from numpy's."""
-    if (carved := _carve(n * dtype.itemsize, dtype)) is not None:
-        return carved
     if n * dtype.itemsize < MMAPPED or dtype.is_complex:
         return torch.zeros(n, dtype=dtype)
     return torch.from_numpy(np.zeros(n * dtype.itemsize, dtype=np.uint8)).view(dtype)
@@ -546,14 +569,17 @@ class Reader:
     def u8(self) -> int:
         return int(self.take(1)[0])
 
-    def tensor(self, count: int, dtype: torch.dtype) -> torch.Tensor:
-        """Read ``count`` values of ``dtype`` (a copy, safe to modify)."""
+    def tensor(self, count: int, dtype: torch.dtype, *, output: bool = False) -> torch.Tensor:
+        """Read ``count`` values of ``dtype`` (a copy, safe to modify; ``output``: the caller hands
+        it back as a result, carved out of an open :class:`arena` where there is one)."""
         size = torch.empty(0, dtype=dtype).element_size()
         part = self.take(count * size)
-        raw = host_empty(part.numel(), torch.uint8, MMAPPED).copy_(part)  # huge pages where large: ~4x fewer passes
+        out = output_empty(count, dtype) if output else host_empty(count, dtype, MMAPPED)  # huge pages where large
+        raw = out.view(torch.uint8) if count else torch.empty(0, dtype=torch.uint8)
+        raw.copy_(part)
         if dtype == torch.bool and bool((raw > 1).any()):  # a bool is the byte 0 or 1, never its raw value
             raise DecodeError(f"bool tensor of {count} values holds bytes other than 0 and 1")
-        return raw.view(dtype)
+        return out
 
     def finish(self) -> None:
         if self.remaining:

@@ -141,37 +141,43 @@ def test_large_sparse_decodes_start_from_calloc_zeros():
     assert small.dtype == torch.float32 and not small.any()
 
 
-def test_an_arena_carves_aligned_buffers_in_order_and_falls_back_when_full():
-    """Inside ``wire.arena(n)`` this thread's host_empty / host_zeros buffers are consecutive,
-    64-byte aligned views of one zeroed storage; a request past its end, another thread's, one
-    after the scope, or any in a scope below MMAPPED bytes gets a buffer of its own."""
+def test_an_arena_carves_aligned_results_in_order_and_falls_back_when_full():
+    """Inside ``wire.arena(n)`` this thread's fp32 results (output_empty, output_zeros,
+    output_like) are consecutive views of one zeroed storage at 64-byte aligned addresses;
+    scratch (host_empty, host_zeros), another dtype, a request past its end, another thread's, one
+    after the scope, one inside ``arena(0)`` and any in a scope below MMAPPED bytes get buffers of
+    their own."""
     import threading
 
     n = wire.MMAPPED
     with wire.arena(n):
-        a = wire.host_empty(5, torch.float32)
-        b = wire.host_zeros(3, torch.float64)
-        c = wire.host_empty((2, 3), torch.int16)
+        a = wire.output_empty(5)
+        b = wire.output_zeros(3)
+        c = wire.output_like(torch.ones(2, 3))
+        scratch = [wire.host_empty(7, torch.float32), wire.host_zeros(7), wire.output_empty(7, torch.float64)]
         with wire.arena(n):  # a nested scope has its own storage; the outer one goes on after it
-            inner = wire.host_empty(4, torch.float32)
-        d = wire.host_empty(7, torch.uint8)
+            inner = wire.output_empty(4)
+        with wire.arena(0):  # hides the outer one
+            hidden = wire.output_empty(4)
+        d = wire.output_empty(7)
         other = []
-        thread = threading.Thread(target=lambda: other.append(wire.host_empty(5, torch.float32)))
+        thread = threading.Thread(target=lambda: other.append(wire.output_empty(5)))
         thread.start()
         thread.join()
-        big = wire.host_zeros(n // 4, torch.float32)  # does not fit what is left
-    after = wire.host_empty(5, torch.float32)
+        big = wire.output_zeros(n // 4)  # does not fit what is left
+    after = wire.output_empty(5)
     base = a.untyped_storage().data_ptr()
-    assert [t.data_ptr() - base for t in (a, b, c, d)] == [0, 64, 128, 192]
     assert all(t.untyped_storage().data_ptr() == base for t in (a, b, c, d))
-    assert c.shape == (2, 3) and c.dtype == torch.int16 and not b.any() and not d.any()
-    for t in (inner, other[0], big, after):
+    assert [t.data_ptr() % 64 for t in (a, b, c, d)] == [0, 0, 0, 0]
+    assert a.data_ptr() < b.data_ptr() < c.data_ptr() < d.data_ptr() < a.data_ptr() + 4 * 64
+    assert c.shape == (2, 3) and c.dtype == torch.float32 and not b.any() and not d.any()
+    for t in (*scratch, inner, hidden, other[0], big, after):
         assert t.untyped_storage().data_ptr() != base
     assert inner.untyped_storage().nbytes() >= n and not big.any() and big.numel() == n // 4
     a.fill_(1.0)  # writable, and apart from its neighbours
     assert not b.any() and a.sum() == 5
     with wire.arena(n - 1):
-        small = wire.host_empty(5, torch.float32)
+        small = wire.output_empty(5)
     assert small.untyped_storage().nbytes() == 20
 
 
@@ -182,34 +188,43 @@ def test_an_arena_the_system_refuses_carves_nothing(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(wire.np, "zeros", refuse)
         with wire.arena(wire.MMAPPED):
-            t = wire.host_empty(5, torch.float32)
+            t = wire.output_empty(5)
     assert t.untyped_storage().nbytes() == 20
 
 
 def test_a_dense_decode_of_many_tensors_fills_one_storage_with_the_same_values():
-    """A CPU decode carves its large dense tensors out of one allocation (``wire.arena``; small
-    ones may come from torch's allocator): each is what the decode gave before, writable and
-    apart from the others."""
+    """A CPU decode of an fp32 model carves its float tensors out of one allocation (``wire.arena``):
+    each is what the decode gave before, writable and apart from the others; the dict saves
+    (``torch.save``: one dtype in the storage, integer tensors apart). A model with a half tensor
+    decodes as before (no conversion's fp32 scratch is kept alive by the others)."""
+    import io
+
     g = torch.Generator().manual_seed(8)
-    update = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate((1_500_000, 3, 5_900_001, 1000))}
+    update = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate((1_500_000, 3, 7_000_001, 1000))}
     update["steps"] = torch.tensor([3, 4])
-    update["half"] = torch.randn(100_000, generator=g).half()
     layout = fedcomp.Layout.of(update)
-    assert layout.dense_bytes() * 5 // 4 >= wire.MMAPPED
-    for spec in ("none()", "kbit(bits=4)", "topk(ratio=0.01)+qsgd(bits=4)"):
+    assert 4 * layout.numel >= wire.MMAPPED
+    for spec in ("none()", "kbit(bits=4)", "topk(ratio=0.01)+qsgd(bits=4)", "randomk()"):
         codec = fedcomp.build_codec(spec)
         enc = codec.encode(update, nonce=3)
         got = codec.decode(enc.payload, layout)
         with monkeypatch_arena_off():
             want = codec.decode(enc.payload, layout)
         assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in update), spec
-        assert got["t0"].untyped_storage().data_ptr() == got["t2"].untyped_storage().data_ptr(), spec
-        if not spec.startswith("topk"):  # (a global top-k's tensors are views of one segment anyway)
+        assert len({got[k].untyped_storage().data_ptr() for k in ("t0", "t1", "t2", "t3")}) == 1, spec
+        assert got["steps"].untyped_storage().data_ptr() != got["t0"].untyped_storage().data_ptr()
+        if spec in ("none()", "kbit(bits=4)"):  # (a global selector's tensors are views of one segment anyway)
             assert want["t0"].untyped_storage().data_ptr() != want["t2"].untyped_storage().data_ptr(), spec
         if spec == "none()":
-            assert all(torch.equal(got[k].float(), update[k].float()) for k in ("t0", "t1", "t2", "t3", "half"))
+            assert all(torch.equal(got[k], update[k]) for k in update)
+        torch.save(got, io.BytesIO())
         got["t1"].fill_(7.0)
         assert torch.equal(got["t0"], want["t0"]) and torch.equal(got["t2"], want["t2"]), spec
+    mixed = dict(update, half=torch.randn(100_000, generator=g).half())
+    codec = fedcomp.build_codec("kbit(bits=4)")
+    got = codec.decode(codec.encode(mixed, nonce=3).payload, fedcomp.Layout.of(mixed))
+    assert got["half"].dtype == torch.float16
+    assert got["t0"].untyped_storage().data_ptr() != got["t2"].untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("spec", ["kbit(bits=4)", "topk(ratio=0.01)+qsgd(bits=4)"])
