@@ -64,15 +64,18 @@ def compress(
     decoded = encoded.decoded
     subtract = decoded.subtract_ if isinstance(decoded, LazyDecoded) else None
     new_residual = {}
-    floats = {name: (t, torch.promote_types(t.dtype, torch.float32))  # fp32, or float64 for float64 tensors
-              for name, t in target.items() if t.is_floating_point()}
-    # the fp32 ones out of one allocation (wire.arena)
-    with arena(sum(4 * t.numel() + 64 for t, dtype in floats.values() if dtype == torch.float32)):
-        for name, (t, dtype) in floats.items():
+    plan = {}  # name -> (tensor, its residual's dtype: fp32, or float64 for float64; reused in place)
+    for name, t in target.items():
+        if t.is_floating_point():
+            dtype = torch.promote_types(t.dtype, torch.float32)
+            plan[name] = (t, dtype, subtract is not None and own and name in kept and t.dtype == dtype
+                          and t is not update[name])
+    # the fp32 buffers this makes out of one allocation (wire.arena), sized for those alone
+    with arena(sum(4 * t.numel() + 64 for t, dtype, fresh in plan.values() if dtype == torch.float32 and not fresh)):
+        for name, (t, dtype, fresh) in plan.items():
             if subtract is None:
                 new_residual[name] = torch.sub(t.to(dtype), decoded[name].to(dtype), out=output_like(t, dtype))
                 continue
-            fresh = own and name in kept and t.dtype == dtype and t is not update[name]
             e = t if fresh else output_like(t, dtype).copy_(t)
             new_residual[name] = subtract(name, e)
     if hasattr(codec, "without_feedback"):  # a policy with a rule that takes none

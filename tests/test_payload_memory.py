@@ -242,6 +242,11 @@ def test_large_residuals_share_one_allocation_and_keep_their_values(spec):
     assert residual["t0"].untyped_storage().data_ptr() == residual["t1"].untyped_storage().data_ptr()
     residual["t0"].zero_()
     assert torch.equal(residual["t1"], update["t1"] - decoded["t1"])
+    # the next round adds the residual in place: an fp16 tensor's fp32 residual is the only new
+    # buffer, in a storage of its own size (not in an arena sized for every tensor)
+    update["h"] = torch.randn(250_000, generator=g).half()
+    _, residual = compress(codec, update, residual=residual, nonce=6)
+    assert residual["h"].dtype == torch.float32 and residual["h"].untyped_storage().nbytes() == 4 * 250_000
 
 
 class monkeypatch_arena_off:
