@@ -36,6 +36,7 @@ def _model(seed: int) -> dict[str, torch.Tensor]:
 def small_chunks(monkeypatch):
     monkeypatch.setattr(aggregate, "CHUNK", 256)  # pieces start inside tensors, ragged last ones
     monkeypatch.setattr(aggregate, "SUM_CHUNK", 200)  # the batched pass, in several chunks per tensor
+    monkeypatch.setattr(aggregate, "RUN_SUM_CHUNK", 200)
     monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 100)
 
 

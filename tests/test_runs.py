@@ -94,6 +94,7 @@ def _sum(codec, payloads, batch, runs_on, monkeypatch, halves=False):
 def test_replies_read_at_once_sum_to_the_bits_of_the_per_segment_path(spec, batch, halves, monkeypatch):
     monkeypatch.setattr(aggregate, "CHUNK", 600)  # chunks start inside blocks and tensors
     monkeypatch.setattr(aggregate, "SUM_CHUNK", 500)
+    monkeypatch.setattr(aggregate, "RUN_SUM_CHUNK", 500)
     monkeypatch.setenv("FEDCOMP_KERNELS", "1")
     codec = fedcomp.build_codec(spec)
     payloads = [codec.encode(_fp_model(i, halves), nonce=i, round=1).payload for i in range(1, len(WEIGHTS) + 1)]
@@ -149,6 +150,7 @@ def test_sparse_replies_added_in_a_batch_sum_to_the_bits_of_index_add(spec, monk
     (:meth:`Accumulator._add_sparse`), interleaved with dense replies of another codec: every
     sum has the bits of torch's ``index_add_`` one reply after another."""
     monkeypatch.setattr(aggregate, "SUM_CHUNK", 500)  # chunks end inside tensors
+    monkeypatch.setattr(aggregate, "RUN_SUM_CHUNK", 500)
     codec, dense = fedcomp.build_codec(spec), fedcomp.build_codec("kbit(bits=4)")
     layout = fedcomp.Layout.of(_fp_model(0))
     replies = [(codec if i % 3 else dense, i) for i in range(1, 8)]
