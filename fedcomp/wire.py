@@ -214,12 +214,13 @@ class arena:
     by default) from :func:`output_empty`, :func:`output_zeros` and :func:`output_like` are carved,
     one after another (64-byte aligned), out of one fresh zeroed allocation of ``nbytes`` (huge
     pages where large; a request that no longer fits, or of another dtype, gets a buffer of its
-    own; scratch from :func:`host_empty` / :func:`host_zeros` never comes from it). Nothing is
-    carved twice, so a carved buffer is zero until written. A scope of under MMAPPED bytes carves
-    nothing, and hides an outer scope (``arena(0)``), nor does one whose allocation the system
-    refuses. The buffers are views of one storage: it lives while any of them does (the untouched
-    rest is address space, not memory), and ``torch.save`` or ``copy.deepcopy`` of one of them
-    alone takes the whole storage, as for any view (``clone()`` one to keep it alone).
+    own, as does an empty one; scratch from :func:`host_empty` / :func:`host_zeros` never comes
+    from it). Nothing is carved twice, so a carved buffer is zero until written. A scope of under
+    MMAPPED bytes, or one whose allocation the system refuses, carves nothing and hides an outer
+    scope (``arena(0)`` does so on purpose). The buffers are views of one storage: it lives while
+    any of them does (the untouched rest is address space, not memory), and ``torch.save`` or
+    ``copy.deepcopy`` of one of them alone takes the whole storage, as for any view (``clone()``
+    one to keep it alone).
 
     Why: a dense decode of a many-tensor model makes a buffer per tensor, and glibc returns such
     buffers to the system when they are freed and maps them afresh the next time (a first write
@@ -247,9 +248,9 @@ class arena:
 
 def _carve(nbytes: int, dtype: torch.dtype) -> torch.Tensor | None:
     """``nbytes`` of the current :class:`arena` as a flat ``dtype`` tensor, or None (no arena,
-    no room, another dtype than the arena's)."""
+    no room, another dtype than the arena's, nothing asked: an empty tensor keeps no storage alive)."""
     state = getattr(_ARENA, "state", None)
-    if state is None or dtype != state[2]:
+    if state is None or dtype != state[2] or nbytes == 0:
         return None
     buf, at, _ = state
     if at + nbytes > buf.numel():

@@ -160,6 +160,7 @@ def test_an_arena_carves_aligned_results_in_order_and_falls_back_when_full():
         with wire.arena(0):  # hides the outer one
             hidden = wire.output_empty(4)
         d = wire.output_empty(7)
+        empty = wire.output_empty(0)  # keeps no storage alive
         other = []
         thread = threading.Thread(target=lambda: other.append(wire.output_empty(5)))
         thread.start()
@@ -173,6 +174,7 @@ def test_an_arena_carves_aligned_results_in_order_and_falls_back_when_full():
     assert c.shape == (2, 3) and c.dtype == torch.float32 and not b.any() and not d.any()
     for t in (*scratch, inner, hidden, other[0], big, after):
         assert t.untyped_storage().data_ptr() != base
+    assert empty.numel() == 0 and empty.untyped_storage().nbytes() == 0
     assert inner.untyped_storage().nbytes() >= n and not big.any() and big.numel() == n // 4
     a.fill_(1.0)  # writable, and apart from its neighbours
     assert not b.any() and a.sum() == 5
