@@ -53,9 +53,9 @@ import torch
 
 from fedcomp import kernels
 from fedcomp.base import Selector
-from fedcomp.sparsifiers import reads_ascending
 from fedcomp.codec import Codec
 from fedcomp.errors import DecodeError, FedcompError
+from fedcomp.sparsifiers import reads_ascending
 from fedcomp.wire import MMAPPED, host_empty, host_zeros
 
 CHUNK = 1 << 20  # elements per step of chunked loops: temporaries of 8 MB at most
@@ -458,8 +458,9 @@ class Accumulator:
         Dense replies (quantizer codes, PowerSGD factors) whose fused adds share one pass over
         the float64 sum. A checked reply waits, compact (its codes are views of its payload),
         until ``batch`` of them are there, their payloads reach four times the sum's size (32
-        bytes per element: fp32 replies go eight at a time), or the sum is read (:meth:`flush`); then each
-        chunk of the sum (2 MB, in the cache) takes every waiting reply in arrival order. The sum
+        bytes per element: fp32 replies go eight at a time), or the sum is read (:meth:`flush`); then
+        each chunk of the sum (512 kB for a quantizer's replies, 2 MB for sparse ones: in the cache)
+        takes every waiting reply in arrival order. The sum
         has the bits of adding them one at a time (the same additions per element, in the same
         order); the sum's memory traffic (16 bytes per element and pass, more than a 4-bit
         reply's 0.5) is paid once per batch. 1: each reply is added when it arrives.
