@@ -69,7 +69,7 @@ PENDING_SUMS = 4
 SUM_CHUNK = 1 << 18  # elements of the sum per step of that pass (2 MB of float64: in the cache)
 # a quantizer's run replies (fp32 codes or values streamed from memory) add into 512 kB of the sum at
 # a time, in L2: none() decode + acc at 25M 2.55x -> 2.32x, fp16 2.16x -> 2.04x, kbit4 2.21x -> 2.13x
-# (alternating in one process, 2026-11-26 13:33-13:40 UTC); sparse replies measured slower so
+# (alternating in one process, 2026-11-26 13:30-13:35 UTC); sparse replies measured slower so
 # (random-k 1.99x -> 2.12x) and keep SUM_CHUNK
 RUN_SUM_CHUNK = 1 << 16
 APPLY_CHUNK = 1 << 18  # elements per step of apply_step (three wide temporaries each: 5 MB)
