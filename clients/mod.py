@@ -311,7 +311,7 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
     delta = {}
     # the fp32 ones into one fresh allocation in huge pages where large (wire.arena; a ResNet-50
     # layout's 161 tensors each in its own buffer took 8.2-11.4 read passes of the update, 3.3-4.9 so)
-    with arena(sum(4 * trained[name].numel() + 64 for name in layout.names if trained[name].dtype == torch.float32)):
+    with arena.fp32(trained[name].numel() for name in layout.names if trained[name].dtype == torch.float32):
         for name in layout.names:
             t = trained[name].to(device)
             delta[name] = torch.sub(t, received[name].to(device), out=output_like(t))

@@ -8,7 +8,6 @@ codes the values. Non-float tensors travel raw (exact).
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -441,12 +440,12 @@ class Codec:
         # allocation (wire.arena: a buffer per tensor was mapped afresh on every decode), where
         # they are made: a quantizer's values as they are read, a reducer's dense forms as they
         # are expanded (its kept values are scratch, and go where they went)
-        floats = 4 * sum(t.numel for t in layout.tensors if t.is_float) + 64 * len(layout.tensors)
-        carved = (lambda: arena(floats)) if carve else contextlib.nullcontext
+        # (an empty list: an arena of 0 bytes, which carves nothing)
+        floats = [t.numel for t in layout.tensors if t.is_float] if carve else []
         read = []
         values = (lambda n: read_values(self.quantizer, src, n, device)) if lazy else (
             lambda n: self.quantizer.decode(src, n, device))
-        with carved() if self.reducer is None else contextlib.nullcontext():
+        with arena.fp32(floats if self.reducer is None else []):
             for seg, group in self.segments(layout):
                 if self.reducer is None:
                     read.append((seg, group, None, values(seg.numel)))
@@ -460,7 +459,7 @@ class Codec:
         if not expand:
             return [vals for _, _, _, vals in read]
         decoded: list[torch.Tensor | None] = [None] * len(layout.tensors)
-        with carved() if self.reducer is not None else contextlib.nullcontext():
+        with arena.fp32(floats if self.reducer is not None else []):
             for seg, group, aux, vals in read:
                 y = vals if self.reducer is None else self.reducer.expand(vals, aux, seg)
                 self._split(y, group, layout, decoded)

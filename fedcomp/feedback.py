@@ -71,7 +71,7 @@ def compress(
             plan[name] = (t, dtype, subtract is not None and own and name in kept and t.dtype == dtype
                           and t is not update[name])
     # the fp32 buffers this makes out of one allocation (wire.arena), sized for those alone
-    with arena(sum(4 * t.numel() + 64 for t, dtype, fresh in plan.values() if dtype == torch.float32 and not fresh)):
+    with arena.fp32(t.numel() for t, dtype, fresh in plan.values() if dtype == torch.float32 and not fresh):
         for name, (t, dtype, fresh) in plan.items():
             if subtract is None:
                 new_residual[name] = torch.sub(t.to(dtype), decoded[name].to(dtype), out=output_like(t, dtype))

@@ -230,6 +230,11 @@ class arena:
     def __init__(self, nbytes: int, dtype: torch.dtype = torch.float32) -> None:
         self.nbytes, self.dtype = nbytes, dtype
 
+    @classmethod
+    def fp32(cls, counts) -> "arena":
+        """An arena with room for fp32 results of these element counts, each at an aligned address."""
+        return cls(sum(4 * n + 64 for n in counts))
+
     def __enter__(self) -> "arena":
         self._outer = getattr(_ARENA, "state", None)
         _ARENA.state = None
