@@ -153,6 +153,35 @@ def test_encode_kernels_give_the_same_payload(spec, monkeypatch):
         assert payloads[0] == payloads[1], name
 
 
+@pytest.mark.parametrize("clip", [False, True])
+def test_terngrad_packed_groups_are_the_codes_loop_packed(clip):
+    """tern_packed (groups of 16 in vector IR, the codes never stored) writes pack(tern_codes(...))'s
+    bytes: lengths around a group, Weyl terms that wrap 2**32, s = 0, and s below 2**-102 (s * 2**-24
+    not exact: the codes loop does all of it)."""
+    k = kernels.get()
+    g = np.random.default_rng(5)
+    x = g.standard_normal(4099).astype(np.float32)
+    x[::7] *= -1e-3
+    x[5::11] = 0.0
+    x[6::13] = -0.0
+    codes, small = np.empty(4099, dtype=np.uint8), np.empty(16, dtype=np.uint8)
+    for scale in (1.0, 1e-38):
+        xs = (x * np.float32(scale)).astype(np.float32)
+        top = np.float32(np.abs(xs).max())
+        for s in (top, np.float32(top * np.float32(0.3)), np.float32(0.0)):
+            bound = s if clip else np.float32(np.inf)
+            for n in (1, 15, 16, 17, 33, 4099):
+                for start in (0, 5, 2**32 - 3):
+                    want = np.zeros((n + 3) // 4, dtype=np.uint8)
+                    k.tern_codes(xs[:n], s, bound, clip, 12345, 678, start, codes)
+                    k.pack(codes, n, 2, want)
+                    got = np.full((n + 3) // 4 + 1, 0xAB, dtype=np.uint8)
+                    k.tern_packed(xs[:n], s, bound, clip, 12345, 678, start, got, small)
+                    assert got[:-1].tobytes() == want.tobytes(), (scale, s, n, start)
+                    assert got[-1] == 0xAB  # nothing written past the codes
+    assert np.float32(top * np.float32(2.0**-24)) * np.float32(2.0**24) != top  # the second scale: the fallback
+
+
 @pytest.mark.parametrize("spec,code", [("twobit()", 1), ("terngrad()", 3)])
 def test_unused_two_bit_code_is_refused_before_adding(spec, code, monkeypatch):
     monkeypatch.setenv("FEDCOMP_KERNELS", "1")
