@@ -438,7 +438,7 @@ def runs(quantizer: Quantizer, k) -> bool:
 
 
 def write_run(quantizer: Quantizer, xs: list[torch.Tensor], out: Writer, gen) -> None:
-    """Write segments ``xs`` (contiguous fp32 CPU tensors, none empty) in one compiled call: the
+    """Write segments ``xs`` (contiguous fp32 CPU tensors of any shape, none empty) in one compiled call: the
     bytes of ``write_values`` on each in turn. ``gen(i)`` gives segment i's generator (seeded only
     where the quantizer draws from it; valid until the next ``gen`` call).
 
@@ -463,7 +463,7 @@ def write_run(quantizer: Quantizer, xs: list[torch.Tensor], out: Writer, gen) ->
         quantizer._run(k, xs, gen, ptrs, ns, offs, region, ok)
     for i in np.flatnonzero(~ok).tolist():
         alone = Writer(xs[i].device)
-        write_values(quantizer, xs[i], alone, gen(i))
+        write_values(quantizer, xs[i].reshape(-1), alone, gen(i))
         region[offs[i]:offs[i] + sizes[i]] = np.frombuffer(alone.body(), dtype=np.uint8)
     if fn is not None and ok.all():
         out.checksummed(place, crc)
@@ -710,7 +710,7 @@ class Identity(_RawRuns, Quantizer):
     def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
         """:func:`write_run`'s copies: numpy's (memcpy: ~1.4x faster than a compiled loop)."""
         for x, o, n in zip(xs, offs.tolist(), ns.tolist()):
-            region[o:o + 4 * n].view(np.float32)[:] = x.numpy()
+            region[o:o + 4 * n].view(np.float32)[:] = x.numpy().reshape(-1)
         ok[:] = True
 
     def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
