@@ -851,8 +851,19 @@ _RINT = 1.5 * 2.0 ** 52  # x + _RINT - _RINT: x rounded to an integer (ties to e
 
 def _shifted_sum(sums, ks, top: int, power: int) -> int:
     """sum over blocks of sums[b] * 2**(power * (top - ks[b])): per-block integer sums of q^power
-    (q = rint(x * 2**ks[b])) brought to one grid 2**-top, exactly (Python integers)."""
-    return sum(int(v) << power * (top - int(k)) for v, k in zip(sums, ks))
+    (q = rint(x * 2**ks[b])) brought to one grid 2**-top, exactly (Python integers).
+
+    Many blocks: those that share a k (most of a tensor's) are added in numpy first, each int64
+    split into its high and low 32 bits, whose sums fit int64 below 2**31 blocks (a 25M tensor's
+    382 blocks: ~0.3 ms of Python integers a sum before)."""
+    if len(sums) <= 16:
+        return sum(int(v) << power * (top - int(k)) for v, k in zip(sums, ks))
+    s, k = np.asarray(sums, dtype=np.int64), np.asarray(ks, dtype=np.int64)
+    total = 0
+    for kb in np.unique(k).tolist():
+        part = s[k == kb]
+        total += ((int((part >> 32).sum()) << 32) + int((part & 0xFFFFFFFF).sum())) << power * (top - kb)
+    return total
 
 
 def _row_range(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,6 +125,25 @@ def test_terngrad_std_is_torchs_to_its_precision(monkeypatch):
             assert math.isclose(std, float(x.double().std()), rel_tol=1e-6, abs_tol=0), (block, x.numel())
             if kernels.get() is not None:
                 assert quantizers._tern_stats_kernel(x, True, kernels.get()) == (amax, std)
+
+
+def test_shifted_block_sums_are_exact():
+    """Many blocks' integer sums (added in numpy by their k, high and low 32 bits apart) equal the
+    sum in Python integers: extreme values of both signs, one shared k and k spread widely."""
+    rng = np.random.default_rng(1)
+    for trial in range(120):
+        n, power = int(rng.integers(1, 600)), 1 + trial % 2
+        lim = 2**56 if power == 2 else 2**36  # |sum q| <= 2**36 and sum q^2 <= 2**56 per block
+        s = rng.integers(-lim if power == 1 else 0, lim, n, dtype=np.int64)
+        if trial % 3 == 0:
+            s[:] = lim - 1
+        if trial % 5 == 0:
+            s[:] = -lim if power == 1 else 0
+        ks = rng.integers(-130, 130, n) if trial % 4 < 2 else 7 + (rng.random(n) < 0.05)
+        top = int(ks.max())
+        want = sum(int(v) << power * (top - int(k)) for v, k in zip(s.tolist(), ks.tolist()))
+        assert quantizers._shifted_sum(s.tolist(), ks.tolist(), top, power) == want
+        assert quantizers._shifted_sum(s, ks, top, power) == want
 
 
 def _sign_payload(spec: str, x: torch.Tensor, flag: str, monkeypatch, write: bool) -> bytes:
