@@ -621,14 +621,15 @@ def lowrank(p, qt, r, m, lo, hi, out, s, w, add):
     """Elements [lo, hi) of P Q^T (n x m, row-major), summed rank-1 term by term in order with
     each product and sum rounded to fp32 (powersgd.reconstruct). ``p``: P flat (n * r, row-major),
     ``qt``: Q^T flat (r * m): 1-D slices, the form LLVM vectorizes."""
-    row = np.empty(m, dtype=np.float32)
+    row = np.empty(m if add else 0, dtype=np.float32)
     i = lo // m
     e = lo
     while e < hi:
         j0 = e - i * m
         j1 = min(m, hi - i * m)
         n = j1 - j0
-        v = row[:n]
+        a = e - lo
+        v = row[:n] if add else out[a:a + n]  # (the result's own place where it is not added)
         q0 = qt[j0:j1]
         p0 = p[i * r]
         for j in range(n):
@@ -638,15 +639,10 @@ def lowrank(p, qt, r, m, lo, hi, out, s, w, add):
             pk = p[i * r + k]
             for j in range(n):
                 v[j] = v[j] + pk * qk[j]
-        a = e - lo
         if add:
             t = s[a:a + n]
             for j in range(n):
                 t[j] = _fma(w, np.float64(v[j]), t[j])
-        else:
-            o = out[a:a + n]
-            for j in range(n):
-                o[j] = v[j]
         e = i * m + j1
         i += 1
 

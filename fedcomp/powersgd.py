@@ -29,7 +29,7 @@ import torch
 
 from fedcomp import kernels
 from fedcomp.base import Knob, Reducer, Segment, StageContext, register
-from fedcomp.wire import Reader, Writer
+from fedcomp.wire import Reader, Writer, output_empty
 
 _NO32 = np.empty(0, dtype=np.float32)  # the kernel's unused output (adding) or sum (building)
 _NO64 = np.empty(0, dtype=np.float64)
@@ -218,6 +218,13 @@ class PowerSGD(Reducer):
         if f is None:
             return values
         n, m, r = f
+        if values.device.type == "cpu" and values.dtype == torch.float32 and (k := kernels.for_encode()) is not None:
+            # the compiled loop where it is loaded (a client's decode does not import numba for it),
+            # into a buffer of the decode's arena: the rank-1 terms into fresh torch memory, ~18 read
+            # passes of the result on one thread (25M fp32, 2026-11-26), were most of a dense decode
+            out = output_empty(n * m)
+            k.lowrank(*self._host_factors(values, n, m, r), r, m, 0, n * m, out.numpy(), _NO64, 0.0, False)
+            return out
         return reconstruct(values[: n * r].view(n, r), values[n * r:].view(m, r)).reshape(-1)
 
     def expand_range(self, values: torch.Tensor, aux: Any, seg: Segment, lo: int, hi: int) -> torch.Tensor:

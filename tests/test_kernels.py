@@ -153,6 +153,26 @@ def test_encode_kernels_give_the_same_payload(spec, monkeypatch):
         assert payloads[0] == payloads[1], name
 
 
+@pytest.mark.parametrize("spec", ["powersgd(rank=2)", "powersgd(rank=3,min_compression=0)+qsgd(bits=8)",
+                                  "powersgd(rank=1)+fp16()"])
+def test_powersgd_dense_decode_in_the_loop_is_reconstructs(spec, monkeypatch):
+    """A dense decode's P Q^T from the compiled loop (kernels loaded) has reconstruct()'s bits, in
+    one allocation with the decode's other tensors (its arena)."""
+    g = torch.Generator().manual_seed(4)
+    model = {"w": torch.randn(37, 53, generator=g), "c": torch.randn(16, 3, 5, 5, generator=g),
+             "b": torch.randn(7, generator=g), "big": torch.randn(3000, 2900, generator=g)}  # an arena: 32 MB
+    codec, layout = fedcomp.build_codec(spec), fedcomp.Layout.of(model)
+    payload = codec.encode(model, nonce=2).payload
+    monkeypatch.setenv("FEDCOMP_KERNELS", "0")
+    want = codec.decode(payload, layout)
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    got = codec.decode(payload, layout)
+    for name in model:
+        assert torch.equal(_bits(got[name]), _bits(want[name])), name
+    assert got["w"].untyped_storage().data_ptr() == got["c"].untyped_storage().data_ptr()
+    assert want["w"].untyped_storage().data_ptr() != want["c"].untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("clip", [False, True])
 def test_terngrad_packed_groups_are_the_codes_loop_packed(clip):
     """tern_packed (groups of 16 in vector IR, the codes never stored) writes pack(tern_codes(...))'s
