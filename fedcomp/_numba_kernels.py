@@ -1415,11 +1415,6 @@ def _splat(builder, scalar):
     return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
 
 
-# a byte of code bits (element j < 8 of a group) spread to where pack(codes, 16, 2) puts them: MSB first,
-# element j at bit 8 * (j // 4) + 6 - 2 * (j % 4) of the group's little-endian word
-_SPREAD2 = [sum(((b >> j) & 1) << (8 * (j // 4) + 6 - 2 * (j % 4)) for j in range(8)) for b in range(256)]
-
-
 @intrinsic
 def _tern_groups(typingctx, xaddr, oaddr, groups, w, k1, s24, bound):
     """:func:`tern_codes` of ``groups`` groups of 16 fp32 values at ``xaddr`` packed as
@@ -1428,29 +1423,28 @@ def _tern_groups(typingctx, xaddr, oaddr, groups, w, k1, s24, bound):
     caller checks), so that u * s = (h >> 8) * s24, the same product rounded alike; ``bound``: inf
     where there is no clipping (finite values only).
 
-    Why written in vector IR: the codes loop is compute-bound (the hash); storing the codes a byte
-    each and packing them in a loop of their own took ~5 of its ~20 vector operations a group and
-    another ~0.04 ns a value. Here a group's two masks (code 1: kept, sign bit clear; code 2: kept,
-    sign bit set) become integers that a 256-entry table spreads to their 2-bit places, on the
-    scalar units. The hash's first xorshift of w ^ k1 is that of w xored with k1 ^ (k1 >> 16) (one
-    three-input operation where the CPU has one). The codes pass over 25M values: 2.0-2.1 -> 1.7-1.9
-    read passes (2026-11-26, this project's machine, alternating in one process)."""
+    Why written in vector IR: the codes loop is compute-bound (the hash), and storing the codes a
+    byte each, then packing them in a loop of their own, took ~5 of its ~20 vector operations a
+    group and another ~0.04 ns a value. Here the 16 codes (kept: 1, or 2 where the sign bit is
+    set) are bytes in a 128-bit register, and each 4 of them (b0..b3, read as a little-endian
+    int32 d: numba's platforms are all little-endian) become pack's byte b0 << 6 | b1 << 4 |
+    b2 << 2 | b3, the top byte of d * 0x40100401: each code lands in its own 2 bits, the other
+    partial products below bit 24 or past bit 31, none overlapping (no carries). The hash's first
+    xorshift of w ^ k1 is that of w xored with k1 ^ (k1 >> 16) (one three-input operation where the
+    CPU has one). The codes pass over 25M values: 2.0-2.1 -> 1.7-1.8 read passes (2026-11-26,
+    this project's machine, alternating in one process)."""
     sig = types.void(types.int64, types.int64, types.int64, types.uint32, types.uint32, types.float32, types.float32)
 
     def codegen(context, builder, signature, args):
         xa, oa, count, w0, key, s, b = args
-        i16, i32 = ir.IntType(16), ir.IntType(32)
-        vf, vi = ir.VectorType(ir.FloatType(), 16), ir.VectorType(i32, 16)
+        i32 = ir.IntType(32)
+        vf, vi, v4 = ir.VectorType(ir.FloatType(), 16), ir.VectorType(i32, 16), ir.VectorType(i32, 4)
 
         def const(v):
             return ir.Constant(vi, [int(v) & 0xFFFFFFFF] * 16)
-        table = cgutils.global_constant(builder.module, "fedcomp_spread2", ir.Constant(ir.ArrayType(i16, 256), _SPREAD2))
 
-        def spread(mask):  # 16 mask bits -> the i32 of their 2-bit places (the low bit of each)
-            lo = builder.zext(builder.trunc(mask, ir.IntType(8)), i32)
-            hi = builder.lshr(builder.zext(mask, i32), ir.Constant(i32, 8))
-            at = [builder.zext(builder.load(builder.gep(table, [ir.Constant(i32, 0), j])), i32) for j in (lo, hi)]
-            return builder.or_(at[0], builder.shl(at[1], ir.Constant(i32, 16)))
+        def bytes_(v):
+            return ir.Constant(ir.VectorType(ir.IntType(8), 16), [v] * 16)
         k = _low32(builder, key)
         kk = _splat(builder, builder.xor(k, builder.lshr(k, ir.Constant(i32, 16))))
         sv, bv = _splat(builder, s), _splat(builder, b)
@@ -1473,10 +1467,10 @@ def _tern_groups(typingctx, xaddr, oaddr, groups, w, k1, s24, bound):
             a = builder.select(builder.fcmp_ordered("<", bv, ax), bv, ax)  # min(|x|, bound)
             keep = builder.fcmp_ordered("<", p, a)
             neg = builder.icmp_signed("<", bits, const(0))  # -0.0 is never kept (a = 0)
-            plus = spread(builder.bitcast(builder.and_(keep, builder.not_(neg)), i16))
-            minus = spread(builder.bitcast(builder.and_(keep, neg), i16))
-            builder.store(builder.or_(plus, builder.shl(minus, ir.Constant(i32, 1))), builder.gep(op, [loop.index]),
-                          align=1)
+            codes = builder.select(keep, builder.select(neg, bytes_(2), bytes_(1)), bytes_(0))
+            d = builder.mul(builder.bitcast(codes, v4), ir.Constant(v4, [0x40100401] * 4))
+            packed = builder.trunc(builder.lshr(d, ir.Constant(v4, [24] * 4)), ir.VectorType(ir.IntType(8), 4))
+            builder.store(builder.bitcast(packed, i32), builder.gep(op, [loop.index]), align=1)
         return context.get_dummy_value()
     return sig, codegen
 
