@@ -1851,9 +1851,11 @@ def _codes(body, at, count, bits, scratch):
 
 @njit(inline="always")
 def _geometry(n, block, bits):
-    """(elements per block, elements per aligned unit: whole blocks whose codes start on a byte)."""
-    size = n if block == 0 or block >= n else block
-    return size, (8 * size if block else 8)
+    """(elements per block, elements per aligned unit: whole blocks whose codes start on a byte;
+    8 codes where the segment is one block)."""
+    if block == 0 or block >= n:
+        return n, 8
+    return block, 8 * block
 
 
 @njit(inline="always")
@@ -1934,6 +1936,22 @@ def block_add_runs(kind, bodies, coffs, ns, p0, params, block, bits, sums, w, ch
                 body = carray(_u8_at(bodies[r]), (end,))
                 c = _codes(body, coffs[s] + a * bits // 8, j - a, bits, codes)
                 _block_add(kind, c, params[r], b, size, bits, i - a, j - a, sm[i:j], w[r], no, halves[s])
+
+
+@njit(cache=True, nogil=True)
+def block_values_run(kind, body, coffs, ns, p0, params, block, bits, outs, chunk, codes):
+    """A dense decode of one reply of kbit, qsgd or sign (the segments :func:`block_add_runs`
+    reads) in one call: segment s's fp32 values into the ns[s] values at address outs[s], as
+    the per-segment decode makes them (:func:`_block_values`), ``chunk`` elements at a time."""
+    for s in range(ns.shape[0]):
+        n = ns[s]
+        size, unit = _geometry(n, block, bits)
+        out = carray(_f32_at(outs[s]), (n,))
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            a = i - i % unit
+            c = _codes(body, coffs[s] + a * bits // 8, j - a, bits, codes)
+            _block_values(kind, c, params, p0[s] + a // size, size, bits, i - a, j - a, out[i:j])
 
 
 @njit(cache=True, nogil=True)
@@ -2116,6 +2134,36 @@ def ternary_sq_run(body, coffs, ns, table, chunk, out):
                 part += np.float64(c[q]) * (v * v)
             tot += part
         out[s] = tot
+
+
+@njit(cache=True, nogil=True)
+def ternary_values_run(body, coffs, ns, table, outs, chunk, codes):
+    """:func:`block_values_run` for 2-bit codes valued table[s, code] (twobit, terngrad)."""
+    no = np.empty(0, dtype=np.float64)
+    for s in range(ns.shape[0]):
+        n = ns[s]
+        out = carray(_f32_at(outs[s]), (n,))
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            a = i - i % 4
+            unpack(body[coffs[s] + a // 4:], j - a, 2, codes)
+            table2(codes, table[s], i - a, j - a, out[i:j], no, 0.0, False)
+
+
+@njit(cache=True, nogil=True)
+def raw_values_run(body, coffs, ns, kind, outs):
+    """:func:`block_values_run` for raw values (kind 0: fp32, copied; 1: fp16, 2: bf16: exact
+    conversions)."""
+    for s in range(ns.shape[0]):
+        n = ns[s]
+        o = coffs[s]
+        out = carray(_f32_at(outs[s]), (n,))
+        if kind == 0:
+            out[:] = body[o:o + 4 * n].view(np.float32)
+        else:
+            raw = body[o:o + 2 * n].view(np.uint16)
+            for q in range(n):
+                out[q] = _half(raw[q], kind == 2)
 
 
 @njit(cache=True, nogil=True)

@@ -563,23 +563,33 @@ class _BlockRuns:
         """The parameter rows as the kernels take them (as read, by default)."""
         return rows
 
-    def _run_scratch(self, chunk: int) -> np.ndarray:
-        return kernels.scratch(chunk + 8 * max(self._run_block, 1), np.uint8)
+    def _run_scratch(self, chunk: int, ns: np.ndarray) -> np.ndarray:
+        """Codes of a chunk read from the start of its aligned unit (``_numba_kernels._geometry``:
+        8 blocks where a segment has several, else 8 codes). (Sized by the block alone, a block
+        larger than any tensor asked for block * 8 bytes: 745 GB for block=1e11.)"""
+        block = self._run_block
+        several = block > 0 and bool((ns > block).any())
+        return kernels.scratch(chunk + 8 * (block if several else 1), np.uint8)
 
     def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
         out = np.empty(run.ns.shape[0], dtype=np.float64)
         bits = self._run_bits
         k.block_sq_run(getattr(k, self._run_kind), run.body, run.coffs, run.ns, run.p0, run.params, self._run_block,
-                       bits, (1 << bits) - 1, chunk, self._run_scratch(chunk), run.halves,
+                       bits, (1 << bits) - 1, chunk, self._run_scratch(chunk, run.ns), run.halves,
                        *_run_scratch(chunk), out)
         return out
+
+    def _values_run(self, k, run: RunReply, outs: np.ndarray, chunk: int) -> None:
+        """A dense decode of ``run``: segment s's fp32 values into ``run.ns[s]`` at address outs[s]."""
+        k.block_values_run(getattr(k, self._run_kind), run.body, run.coffs, run.ns, run.p0, run.params, self._run_block,
+                           self._run_bits, outs, chunk, self._run_scratch(chunk, run.ns))
 
     def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
         """Add replies ``runs`` (weights ``w``) into the float64 sums at addresses ``sums``."""
         first = runs[0]
         k.block_add_runs(getattr(k, self._run_kind), np.array([r.address for r in runs], dtype=np.int64), first.coffs,
                          first.ns, first.p0, np.stack([r.params for r in runs]), self._run_block, self._run_bits, sums,
-                         w, chunk, self._run_scratch(chunk), first.halves)
+                         w, chunk, self._run_scratch(chunk, first.ns), first.halves)
 
 
 class _RawRuns:
@@ -611,6 +621,9 @@ class _RawRuns:
             raise DecodeError(CHECKSUM_MISMATCH)
         run.sums = (chunk, out)
 
+    def _values_run(self, k, run: RunReply, outs: np.ndarray, chunk: int) -> None:
+        k.raw_values_run(run.body, run.coffs, run.ns, self._raw_kind, outs)
+
     def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
         k.raw_add_runs(np.array([r.address for r in runs], dtype=np.int64), runs[0].coffs, runs[0].ns, self._raw_kind,
                        sums, w, chunk, runs[0].halves, _run_scratch(chunk)[0])
@@ -636,6 +649,9 @@ class _TernaryRuns:
     def _round_tables(self, run: RunReply, halves: np.ndarray) -> None:
         """Every value is one of its segment's four: a half segment's row rounded once."""
         _round_by(run.params, halves[:, None])
+
+    def _values_run(self, k, run: RunReply, outs: np.ndarray, chunk: int) -> None:
+        k.ternary_values_run(run.body, run.coffs, run.ns, run.params, outs, chunk, kernels.scratch(chunk + 4, np.uint8))
 
     def _add_runs(self, k, runs: list[RunReply], w: np.ndarray, sums: np.ndarray, chunk: int) -> None:
         k.ternary_add_runs(np.array([r.address for r in runs], dtype=np.int64), runs[0].coffs, runs[0].ns,

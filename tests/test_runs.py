@@ -440,3 +440,99 @@ def test_a_subclass_reading_positions_its_own_way_is_ordered_before_the_add():
     got, want = acc.sum(), codec.decode(payload, layout)  # its values at its positions, as it reads them
     assert all(torch.equal(got[name].float(), want[name]) for name in model)
     assert any(bool(want[name].ne(0).any()) for name in model)
+
+
+# -- a dense decode read at once (Codec._decode_run): the per-segment decode's bits, in one call --
+def _fp32_model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(71, 47, generator=g), "none": torch.zeros(0), "n": torch.tensor([seed, 7]),
+            "one": torch.randn(1, generator=g), "c": torch.randn(8, 3, 3, 3, generator=g),
+            "big": torch.randn(3001, generator=g) * 1e-3}
+
+
+def _decoded_bits(codec, payload, layout, monkeypatch, per_segment: bool):
+    with monkeypatch.context() as m:
+        if per_segment:
+            m.setattr(type(codec), "read_run", lambda *a, **kw: None)
+        try:
+            out = codec.decode(payload, layout)
+        except fedcomp.DecodeError as e:
+            return str(e)
+    return {n: (t.view(torch.int32) if t.dtype == torch.float32 else t).clone() for n, t in out.items()}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    return a.keys() == b.keys() and all(a[n].shape == b[n].shape and torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("spec", READ_SPECS)
+def test_a_dense_decode_read_at_once_has_the_per_segment_bits(spec, monkeypatch):
+    """Every float tensor decoded in one compiled call (chunks that start inside blocks), with the
+    bits of the per-segment decode (kernels) and of the torch path; bodies corrupted under a valid
+    checksum decode alike or are refused alike."""
+    monkeypatch.setattr(codec_module, "DECODE_CHUNK", 600)
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    codec = fedcomp.build_codec(spec)
+    model = _fp32_model(3)
+    layout = fedcomp.Layout.of(model)
+    payload = codec.encode(model, nonce=5).payload
+    calls = []
+    real = codec_module.Codec._decode_run
+    monkeypatch.setattr(codec_module.Codec, "_decode_run", lambda *a: calls.append(1) or real(*a))
+    run = _decoded_bits(codec, payload, layout, monkeypatch, False)
+    assert calls == [1] and not isinstance(run, str)
+    assert _same(run, _decoded_bits(codec, payload, layout, monkeypatch, True))
+    monkeypatch.setenv("FEDCOMP_KERNELS", "0")
+    assert _same(run, _decoded_bits(codec, payload, layout, monkeypatch, False))
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    rng = torch.Generator().manual_seed(1)
+    for _ in range(12):  # a few body bytes changed, the checksum made valid again
+        bad = bytearray(payload)
+        for at in torch.randint(30, len(payload) - 40, (3,), generator=rng).tolist():
+            bad[at] ^= int(torch.randint(1, 256, (1,), generator=rng))
+        bad[-4:] = zlib.crc32(bytes(bad[:-4])).to_bytes(4, "little")
+        got = _decoded_bits(codec, bytes(bad), layout, monkeypatch, False)
+        assert _same(got, _decoded_bits(codec, bytes(bad), layout, monkeypatch, True))
+
+
+@pytest.mark.parametrize("spec", ["fp16()", "bf16()"])
+def test_a_half_payload_read_at_once_decodes_every_bit_pattern_as_torch(spec, monkeypatch):
+    """All 65,536 patterns of a half payload (NaNs and infinities included) decode to torch's
+    conversions (exact), through the run's loop as through the per-segment path."""
+    codec = fedcomp.build_codec(spec)
+    model = {"w": torch.zeros(1 << 16)}
+    layout = fedcomp.Layout.of(model)
+    payload = bytearray(codec.encode(model, nonce=1).payload)
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    body = patterns.numpy().tobytes()
+    payload[-4 - len(body):-4] = body  # the values: last, before the checksum
+    payload[-4:] = zlib.crc32(bytes(payload[:-4])).to_bytes(4, "little")
+    want = patterns.view(torch.float16 if spec == "fp16()" else torch.bfloat16).float().view(torch.int32)
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FEDCOMP_KERNELS", flag)
+        for per_segment in (False, True):
+            got = _decoded_bits(codec, bytes(payload), layout, monkeypatch, per_segment)
+            assert torch.equal(got["w"], want), (flag, per_segment)
+
+
+@pytest.mark.parametrize("spec", ["sign(block={b})", "kbit(block={b})", "qsgd(bucket={b})"])
+def test_a_block_larger_than_every_tensor_is_read_at_once_as_one_block(spec, monkeypatch):
+    """The server's run reads a block past every tensor as block 0 (one block a tensor): its codes
+    scratch was sized by the block (block=1e11 asked for 745 GB, 2**62 overflowed)."""
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    model = {"w": torch.randn(10, generator=torch.Generator().manual_seed(0)), "v": torch.randn(3000)}
+    layout = fedcomp.Layout.of(model)
+    one = fedcomp.build_codec(spec.format(b=0))
+    want = one.decode(one.encode(model, nonce=1).payload, layout)
+    for b in (3000, 10**11, 2**62):
+        codec = fedcomp.build_codec(spec.format(b=b))
+        payload = codec.encode(model, nonce=1).payload
+        acc = aggregate.Accumulator(codec, layout)
+        acc.add(payload, 2.0)
+        assert acc.decode(payload).run is not None
+        got = codec.decode(payload, layout)
+        for name in model:
+            assert torch.equal(got[name], want[name]), (b, name)
+            assert torch.equal(acc.sum()[name], 2.0 * want[name].double()), (b, name)
