@@ -173,6 +173,26 @@ def test_powersgd_dense_decode_in_the_loop_is_reconstructs(spec, monkeypatch):
     assert want["w"].untyped_storage().data_ptr() != want["c"].untyped_storage().data_ptr()
 
 
+def test_powersgd_expand_keeps_torchs_nan_and_inf_bits(monkeypatch):
+    """Factors holding +-NaN, +-inf and zeros: expand (the compiled loop, or torch's ops where a factor
+    is NaN) gives reconstruct()'s bits; the loop and torch keep different NaNs where two meet."""
+    import itertools
+
+    from fedcomp.powersgd import reconstruct
+
+    monkeypatch.setenv("FEDCOMP_KERNELS", "1")
+    codec = fedcomp.build_codec("powersgd(rank=2,min_compression=0)")
+    seg, _ = codec.segments(fedcomp.Layout.of({"w": torch.zeros(4, 3)}))[0]
+    n, m, r = codec.reducer.factors(seg)
+    specials = [float(np.uint32(b).view(np.float32)) for b in (0x7FC00000, 0xFFC00001)] + [1.0, -float("inf"), 0.0]
+    for p0, p1, q0, q1 in itertools.product(specials, repeat=4):
+        v = torch.ones(r * (n + m))
+        v[0], v[1], v[n * r], v[n * r + 1] = p0, p1, q0, q1
+        got = codec.reducer.expand(v, None, seg)
+        want = reconstruct(v[: n * r].view(n, r), v[n * r:].view(m, r)).reshape(-1)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (p0, p1, q0, q1)
+
+
 @pytest.mark.parametrize("clip", [False, True])
 def test_terngrad_packed_groups_are_the_codes_loop_packed(clip):
     """tern_packed (groups of 16 in vector IR, the codes never stored) writes pack(tern_codes(...))'s
