@@ -1412,7 +1412,8 @@ def _splat(builder, scalar):
     """A 16-lane vector of ``scalar``."""
     vt = ir.VectorType(scalar.type, 16)
     one = builder.insert_element(ir.Constant(vt, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16)
+    return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), zeros)
 
 
 @intrinsic
@@ -2081,9 +2082,9 @@ def raw_add_runs(bodies, coffs, ns, kind, sums, w, chunk, halves, vals):
 @njit(cache=True, nogil=True)
 def tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, chunk, codes, ok, fn, crc):
     """TernGrad.write of each segment i with ok[i] at region[offs[i]:] (s, then packed 2-bit
-    codes, :func:`tern_packed` ``chunk`` (a multiple of 4) elements at a time; ``codes`` its scratch). ``fn`` nonzero:
-    continues the CRC32 ``crc`` over region as each chunk's codes are packed (from cache) and
-    returns it (meaningless where an ok[i] is False; :func:`block_run`)."""
+    codes, :func:`tern_packed` ``chunk`` (a multiple of 4) elements at a time; ``codes`` its
+    scratch). ``fn`` nonzero: continues the CRC32 ``crc`` over region as each chunk's codes are
+    packed (from cache) and returns it (meaningless where an ok[i] is False; :func:`block_run`)."""
     base = region.ctypes.data
     done_at = 0
     for i in range(ptrs.shape[0]):
@@ -2099,8 +2100,8 @@ def tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, chunk, codes
         for a in range(0, n, chunk):
             e = min(n, a + chunk)
             m = (e - a + 3) // 4
-            tern_packed(x[a:e], s32[i], bound32[i], clips[i], k0s[i], k1s[i], a, region[o + 4 + a // 4:o + 4 + a // 4 + m],
-                        codes)
+            at = o + 4 + a // 4
+            tern_packed(x[a:e], s32[i], bound32[i], clips[i], k0s[i], k1s[i], a, region[at:at + m], codes)
             if fn:
                 crc = _call_crc32(fn, crc, base + o + 4 + a // 4, m)
         done_at = max(done_at, o + 4 + (n + 3) // 4)

@@ -1673,7 +1673,8 @@ class TernGrad(_ChecksummedRun, _TernaryRuns, Quantizer):
             for lo in range(0, m, step):
                 xc = x[lo:lo + step].numpy()
                 n = xc.shape[0]
-                k.tern_packed(xc, s32, bound32, clip, k0, k1, lo, packed[lo // 4:lo // 4 + packed_bytes(n, 2)].numpy(), codes)
+                dst = packed[lo // 4:lo // 4 + packed_bytes(n, 2)].numpy()
+                k.tern_packed(xc, s32, bound32, clip, k0, k1, lo, dst, codes)
         else:
             u = torch.empty(step, dtype=torch.float32, device=x.device)
             work = torch.empty(2 * step, dtype=torch.int32, device=x.device)
@@ -1744,8 +1745,8 @@ class TernGrad(_ChecksummedRun, _TernaryRuns, Quantizer):
             s32[use], bound32[use] = self._scale(s32[use], std, True)
         k0s, k1s = _stream_keys(k, gen, xs)
         step = max(4, _ENCODE_CHUNK // 4 * 4)
-        return int(k.tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, step, kernels.scratch(max(step, 16), np.uint8),
-                              ok, fn, np.uint32(crc)))
+        codes = kernels.scratch(max(step, 16), np.uint8)
+        return int(k.tern_run(ptrs, ns, s32, bound32, clips, k0s, k1s, offs, region, step, codes, ok, fn, np.uint32(crc)))
 
     def _values(self, s: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         s = s.reshape(())
