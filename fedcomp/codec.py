@@ -244,20 +244,18 @@ class Codec:
             t = values[group[0]] if run is not None and len(group) == 1 else None
             if t is not None and t.dtype == torch.float32 and t.is_cpu and not t.requires_grad and t.is_contiguous() \
                     and not t.is_neg() and seg.numel:  # the common case, quickly (~4 us a tensor less)
-                run.append((seg.index, t))  # its own shape: write_run reads contiguous tensors of any shape
-                kept.append(seg.numel)
-                side_bytes.append(0)
-                continue
-            parts = [values[i].detach().reshape(-1).resolve_neg() for i in group]  # views where contiguous
-            # a half / float64 tensor's fp32 copy in huge pages where large (a fresh 100 MB torch
-            # tensor faults 25,600 4 kB pages: a bf16 25M encode measured 12.7x a read pass)
-            parts = [p if p.dtype == torch.float32 else output_like(p, torch.float32).copy_(p) for p in parts]
-            if len(parts) == 1:
-                x = parts[0]
-            elif pieces_ok:
-                x = Pieces(parts)
+                x = t  # its own shape, into the run below: write_run reads contiguous tensors of any shape
             else:
-                x = torch.cat(parts)
+                parts = [values[i].detach().reshape(-1).resolve_neg() for i in group]  # views where contiguous
+                # a half / float64 tensor's fp32 copy in huge pages where large (a fresh 100 MB torch
+                # tensor faults 25,600 4 kB pages: a bf16 25M encode measured 12.7x a read pass)
+                parts = [p if p.dtype == torch.float32 else output_like(p, torch.float32).copy_(p) for p in parts]
+                if len(parts) == 1:
+                    x = parts[0]
+                elif pieces_ok:
+                    x = Pieces(parts)
+                else:
+                    x = torch.cat(parts)
             if run is not None:
                 if seg.numel and x.is_cpu and x.is_contiguous() and not x.requires_grad:  # (a tensor on
                     # another device than the first is written its own way, as without the kernels)
