@@ -736,6 +736,7 @@ _G = np.uint32(0x9E3779B9)
 _A = np.uint32(0x7FEB352D)
 _B = np.uint32(0x846CA68B)
 _U24 = _F32(2.0 ** -24)
+_U16 = _F32(2.0 ** -16)
 
 
 @njit(inline="always")
@@ -808,6 +809,13 @@ def _step(typingctx, w):
 def _u24w(w, k1):
     """u_i = (h_i >> 8) / 2**24 of Weyl term ``w`` (:func:`_hw`)."""
     return _F32(np.int32(_hw(w, k1) >> np.uint32(8))) * _U24
+
+
+@njit(inline="always")
+def _u16(b0, k1, i):
+    """The half-width u_i (uniforms.fill16): half i & 1 of h_(i >> 1) / 2**16; b0 = _base(k0, 0)."""
+    h = _h32(b0, k1, i >> 1)
+    return _F32(np.int32((h >> np.uint32(16 * (i & 1))) & np.uint32(0xFFFF))) * _U16
 
 
 @njit(cache=True, nogil=True)
@@ -1049,6 +1057,14 @@ def uniforms(k0, k1, start, out):
     for j in range(out.shape[0]):
         out[j] = _u24w(w, k1)
         w = _step(w)
+
+
+@njit(cache=True, nogil=True)
+def uniforms16(k0, k1, start, out):
+    """out[j] = the half-width u_(start + j) (tests compare it with uniforms.fill16)."""
+    b0 = _base(k0, 0)
+    for j in range(out.shape[0]):
+        out[j] = _u16(b0, k1, start + j)
 
 
 @njit(cache=True, nogil=True)
@@ -1398,94 +1414,101 @@ def sign_stats(x, size, sub, qbits, absolute, amax, s, ks, scale, flags, out, gu
 @njit(cache=True, nogil=True)
 def tern_codes(x, s, bound, clip, k0, k1, start, codes):
     """TernGrad codes: a = min(|x|, bound) (``clip``) or |x|; 1 (+s) or 2 (-s, x < 0) where
-    u_i * s < a, else 0; fp32 operations as the torch path's (finite x only)."""
-    w = _base(k0, start)
+    u_i * s < a, u_i the half-width uniform (uniforms.fill16), else 0; fp32 operations as the
+    torch path's (finite x only)."""
+    b0 = _base(k0, 0)
     for j in range(x.shape[0]):
         v = x[j]
         a = min(abs(v), bound) if clip else abs(v)
-        keep = _u24w(w, k1) * s < a
+        keep = _u16(b0, k1, start + j) * s < a
         codes[j] = (np.uint8(2) if v < 0 else np.uint8(1)) if keep else np.uint8(0)
-        w = _step(w)
 
 
-def _splat(builder, scalar):
-    """A 16-lane vector of ``scalar``."""
-    vt = ir.VectorType(scalar.type, 16)
+def _splat(builder, scalar, lanes=16):
+    """A vector of ``lanes`` copies of ``scalar``."""
+    vt = ir.VectorType(scalar.type, lanes)
     one = builder.insert_element(ir.Constant(vt, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
-    zeros = ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16)
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
     return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), zeros)
 
 
 @intrinsic
-def _tern_groups(typingctx, xaddr, oaddr, groups, w, k1, s24, bound):
-    """:func:`tern_codes` of ``groups`` groups of 16 fp32 values at ``xaddr`` packed as
-    ``pack(codes, 16, 2)`` packs them, 4 bytes a group at ``oaddr``: the same bytes, the codes never
-    stored. ``w``: the first value's Weyl term (:func:`_base`); ``s24`` = s * 2**-24 (exact: the
-    caller checks), so that u * s = (h >> 8) * s24, the same product rounded alike; ``bound``: inf
-    where there is no clipping (finite values only).
+def _tern_groups(typingctx, xaddr, oaddr, groups, w, k1, s16, bound):
+    """:func:`tern_codes` of ``groups`` groups of 32 fp32 values at ``xaddr`` (the first one's index
+    even) packed as ``pack(codes, 32, 2)`` packs them, 8 bytes a group at ``oaddr``: the same
+    bytes, the codes never stored. ``w``: the Weyl term (:func:`_base`) of the first value's hash,
+    index >> 1; ``s16`` = s * 2**-16 (exact: the caller checks), so that u * s = m * s16 (m the
+    uniform's 16 bits), the same product rounded alike; ``bound``: inf where there is no clipping
+    (finite values only).
 
     Why written in vector IR: the codes loop is compute-bound (the hash), and storing the codes a
-    byte each, then packing them in a loop of their own, took ~5 of its ~20 vector operations a
-    group and another ~0.04 ns a value. Here the 16 codes (kept: 1, or 2 where the sign bit is
-    set) are bytes in a 128-bit register, and each 4 of them (b0..b3, read as a little-endian
-    int32 d: numba's platforms are all little-endian) become pack's byte b0 << 6 | b1 << 4 |
-    b2 << 2 | b3, the top byte of d * 0x40100401: each code lands in its own 2 bits, the other
-    partial products below bit 24 or past bit 31, none overlapping (no carries). The hash's first
-    xorshift of w ^ k1 is that of w xored with k1 ^ (k1 >> 16) (one three-input operation where the
-    CPU has one). The codes pass over 25M values: 2.0-2.1 -> 1.7-1.8 read passes (2026-11-26,
-    this project's machine, alternating in one process)."""
+    byte each, then packing them in a loop of their own, took ~5 of its ~20 vector operations per
+    16 values and another ~0.04 ns a value. Here a group's 16 hashes, read as 32 little-endian
+    16-bit lanes, are its 32 uniforms in order (the low half of h_m for value 2m, the high half for
+    2m + 1: uniforms.fill16), and the 32 codes (kept: 1, or 2 where the sign bit is set) are bytes
+    in a 256-bit register. Each 4 of them (b0..b3, read as a little-endian int32 d: numba's
+    platforms are all little-endian) become pack's byte b0 << 6 | b1 << 4 | b2 << 2 | b3, the top
+    byte of d * 0x40100401: each code lands in its own 2 bits, the other partial products below bit
+    24 or past bit 31, none overlapping (no carries). The hash's first xorshift of w ^ k1 is that
+    of w xored with k1 ^ (k1 >> 16) (one three-input operation where the CPU has one). The codes
+    pass over 25M values: 2.0-2.1 read passes with the codes stored, 1.6 packed in registers, 1.3
+    with a hash per two values (2026-11-26, this project's machine, side by side in one
+    process)."""
     sig = types.void(types.int64, types.int64, types.int64, types.uint32, types.uint32, types.float32, types.float32)
 
     def codegen(context, builder, signature, args):
         xa, oa, count, w0, key, s, b = args
         i32 = ir.IntType(32)
-        vf, vi, v4 = ir.VectorType(ir.FloatType(), 16), ir.VectorType(i32, 16), ir.VectorType(i32, 4)
+        vh, vi, v8 = ir.VectorType(i32, 16), ir.VectorType(i32, 32), ir.VectorType(i32, 8)
+        vf = ir.VectorType(ir.FloatType(), 32)
 
-        def const(v):
-            return ir.Constant(vi, [int(v) & 0xFFFFFFFF] * 16)
+        def const(v, t=vi):
+            return ir.Constant(t, [int(v) & 0xFFFFFFFF] * t.count)
 
         def bytes_(v):
-            return ir.Constant(ir.VectorType(ir.IntType(8), 16), [v] * 16)
+            return ir.Constant(ir.VectorType(ir.IntType(8), 32), [v] * 32)
         k = _low32(builder, key)
         kk = _splat(builder, builder.xor(k, builder.lshr(k, ir.Constant(i32, 16))))
-        sv, bv = _splat(builder, s), _splat(builder, b)
-        lanes = ir.Constant(vi, [(int(_G) * e) & 0xFFFFFFFF for e in range(16)])
+        sv, bv = _splat(builder, s, 32), _splat(builder, b, 32)
+        lanes = ir.Constant(vh, [(int(_G) * e) & 0xFFFFFFFF for e in range(16)])
         wslot = cgutils.alloca_once_value(builder, builder.add(_splat(builder, _low32(builder, w0)), lanes))
         xp = builder.inttoptr(xa, vf.as_pointer())
-        op = builder.inttoptr(oa, i32.as_pointer())
+        op = builder.inttoptr(oa, ir.IntType(64).as_pointer())
         with cgutils.for_range(builder, count) as loop:
             x = builder.load(builder.gep(xp, [loop.index]), align=4)
             w = builder.load(wslot)
-            builder.store(builder.add(w, const(16 * int(_G))), wslot)
-            h = builder.xor(builder.xor(w, builder.lshr(w, const(16))), kk)  # lowbias32 of w ^ k1 (_mix_ir)
-            h = builder.mul(h, const(_A))
-            h = builder.xor(h, builder.lshr(h, const(15)))
-            h = builder.mul(h, const(_B))
-            h = builder.xor(h, builder.lshr(h, const(16)))
-            p = builder.fmul(builder.sitofp(builder.lshr(h, const(8)), vf), sv)
+            builder.store(builder.add(w, const(16 * int(_G), vh)), wslot)
+            h = builder.xor(builder.xor(w, builder.lshr(w, const(16, vh))), kk)  # lowbias32 of w ^ k1 (_mix_ir)
+            h = builder.mul(h, const(_A, vh))
+            h = builder.xor(h, builder.lshr(h, const(15, vh)))
+            h = builder.mul(h, const(_B, vh))
+            h = builder.xor(h, builder.lshr(h, const(16, vh)))
+            u = builder.zext(builder.bitcast(h, ir.VectorType(ir.IntType(16), 32)), vi)
+            p = builder.fmul(builder.sitofp(u, vf), sv)
             bits = builder.bitcast(x, vi)
             ax = builder.bitcast(builder.and_(bits, const(0x7FFFFFFF)), vf)
             a = builder.select(builder.fcmp_ordered("<", bv, ax), bv, ax)  # min(|x|, bound)
             keep = builder.fcmp_ordered("<", p, a)
             neg = builder.icmp_signed("<", bits, const(0))  # -0.0 is never kept (a = 0)
             codes = builder.select(keep, builder.select(neg, bytes_(2), bytes_(1)), bytes_(0))
-            d = builder.mul(builder.bitcast(codes, v4), ir.Constant(v4, [0x40100401] * 4))
-            packed = builder.trunc(builder.lshr(d, ir.Constant(v4, [24] * 4)), ir.VectorType(ir.IntType(8), 4))
-            builder.store(builder.bitcast(packed, i32), builder.gep(op, [loop.index]), align=1)
+            d = builder.mul(builder.bitcast(codes, v8), const(0x40100401, v8))
+            packed = builder.trunc(builder.lshr(d, const(24, v8)), ir.VectorType(ir.IntType(8), 8))
+            builder.store(builder.bitcast(packed, ir.IntType(64)), builder.gep(op, [loop.index]), align=1)
         return context.get_dummy_value()
     return sig, codegen
 
 
 @njit(cache=True, nogil=True)
 def tern_packed(x, s, bound, clip, k0, k1, start, out, codes):
-    """``pack(tern_codes(x, ...), n, 2)`` into out[:(n + 3) // 4], the same bytes: whole groups of 16
-    values through :func:`_tern_groups`, the rest (and all of x where s * 2**-24 is not exact: s
-    below 2**-102) through :func:`tern_codes` in ``codes`` (uint8 scratch of 16 or more)."""
+    """``pack(tern_codes(x, ...), n, 2)`` into out[:(n + 3) // 4], the same bytes: whole groups of 32
+    values through :func:`_tern_groups`, the rest (and all of x where ``start`` is odd or s * 2**-16
+    is not exact: s below 2**-110) through :func:`tern_codes` in ``codes`` (uint8 scratch of 16 or
+    more)."""
     n = x.shape[0]
-    s24 = s * _U24
-    full = n - n % 16 if s24 * _F32(16777216.0) == s else 0
+    s16 = s * _U16
+    full = n - n % 32 if start % 2 == 0 and s16 * _F32(65536.0) == s else 0
     if full:
-        _tern_groups(x.ctypes.data, out.ctypes.data, full // 16, _base(k0, start), k1, s24,
+        _tern_groups(x.ctypes.data, out.ctypes.data, full // 32, _base(k0, start >> 1), k1, s16,
                      bound if clip else _F32(np.inf))
     step = codes.shape[0] // 4 * 4
     for a in range(full, n, step):

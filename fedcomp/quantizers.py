@@ -1612,8 +1612,8 @@ class TernGrad(_ChecksummedRun, _TernaryRuns, Quantizer):
 
     std(g) is computed from exact integer sums (:func:`_tern_std`; within ~1e-6 of ``torch.std``,
     which costs ~7 read passes), so the fused CPU loop and the torch path (CUDA, no numba) give
-    the same bytes; the Bernoulli draws use the segment's counter-based uniforms
-    (:mod:`fedcomp.uniforms`).
+    the same bytes; the Bernoulli draws use the segment's half-width counter-based uniforms
+    (16 bits, :func:`fedcomp.uniforms.fill16`: P(sent) is a / s to within 2**-16).
     """
 
     name = "terngrad"
@@ -1650,9 +1650,9 @@ class TernGrad(_ChecksummedRun, _TernaryRuns, Quantizer):
         1. The clip bound ``clip * std(x)`` (:func:`_tern_std`; skipped for clip = 0 or one value).
         2. s = max |clipped x| = min(max |x|, bound), in fp32.
         3. Per element: a = min(|x|, bound); code 1 (+s) or 2 (-s, x < 0) where u_i * s < a (so
-           P(sent) = a / s: unbiased for clip = 0), else 0; u_i the segment's counter-based uniform
-           (:mod:`fedcomp.uniforms`), so the chunking and the path (fused CPU loop or torch ops)
-           do not change the bytes. A non-finite x gives s = NaN (or inf without clipping) and
+           P(sent) = a / s to within 2**-16: unbiased for clip = 0 to that resolution), else 0;
+           u_i the segment's half-width counter-based uniform (:func:`fedcomp.uniforms.fill16`), so
+           the chunking and the path (fused CPU loop or torch ops) do not change the bytes. A non-finite x gives s = NaN (or inf without clipping) and
            every code 0, as before the rework."""
         m = x.numel()
         key = uniforms.draw_key(gen, x.device)
@@ -1688,7 +1688,7 @@ class TernGrad(_ChecksummedRun, _TernaryRuns, Quantizer):
                 a = torch.abs(xc, out=mag[:n])
                 if clip:
                     torch.minimum(a, b_t, out=a)
-                uc = uniforms.fill(key, lo, u[:n], work).mul_(s_t)
+                uc = uniforms.fill16(key, lo, u[:n], work).mul_(s_t)
                 torch.lt(uc, a, out=keep[:n])
                 c = torch.lt(xc, 0, out=code[:n].view(torch.bool)).view(torch.uint8).add_(1)
                 c.mul_(keep[:n].view(torch.uint8))

@@ -195,9 +195,10 @@ def test_powersgd_expand_keeps_torchs_nan_and_inf_bits(monkeypatch):
 
 @pytest.mark.parametrize("clip", [False, True])
 def test_terngrad_packed_groups_are_the_codes_loop_packed(clip):
-    """tern_packed (groups of 16 in vector IR, the codes never stored) writes pack(tern_codes(...))'s
-    bytes: lengths around a group, Weyl terms that wrap 2**32, s = 0, and s below 2**-102 (s * 2**-24
-    not exact: the codes loop does all of it)."""
+    """tern_packed (groups of 32 in vector IR, a hash per two values, the codes never stored) writes
+    pack(tern_codes(...))'s bytes: lengths around a group, odd starts (the codes loop), hash
+    indices whose Weyl terms wrap 2**32, s = 0, and s below 2**-110 (s * 2**-16 not exact: the
+    codes loop does all of it)."""
     k = kernels.get()
     g = np.random.default_rng(5)
     x = g.standard_normal(4099).astype(np.float32)
@@ -210,8 +211,8 @@ def test_terngrad_packed_groups_are_the_codes_loop_packed(clip):
         top = np.float32(np.abs(xs).max())
         for s in (top, np.float32(top * np.float32(0.3)), np.float32(0.0)):
             bound = s if clip else np.float32(np.inf)
-            for n in (1, 15, 16, 17, 33, 4099):
-                for start in (0, 5, 2**32 - 3):
+            for n in (1, 15, 16, 17, 31, 32, 33, 63, 65, 4099):
+                for start in (0, 5, 2**32 - 3, 2**33 - 64, 2**33 - 6):
                     want = np.zeros((n + 3) // 4, dtype=np.uint8)
                     k.tern_codes(xs[:n], s, bound, clip, 12345, 678, start, codes)
                     k.pack(codes, n, 2, want)
@@ -219,7 +220,7 @@ def test_terngrad_packed_groups_are_the_codes_loop_packed(clip):
                     k.tern_packed(xs[:n], s, bound, clip, 12345, 678, start, got, small)
                     assert got[:-1].tobytes() == want.tobytes(), (scale, s, n, start)
                     assert got[-1] == 0xAB  # nothing written past the codes
-    assert np.float32(top * np.float32(2.0**-24)) * np.float32(2.0**24) != top  # the second scale: the fallback
+    assert np.float32(top * np.float32(2.0**-16)) * np.float32(2.0**16) != top  # the second scale: the fallback
 
 
 @pytest.mark.parametrize("spec,code", [("twobit()", 1), ("terngrad()", 3)])

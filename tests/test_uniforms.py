@@ -40,6 +40,49 @@ def test_kernel_uniforms_have_the_torch_bits(key):
         assert torch.equal(a, b), start
 
 
+@pytest.mark.parametrize("key", KEYS)
+def test_half_width_fill_is_the_definition_on_both_paths(key):
+    """TernGrad's uniforms: the low half of h_m for element 2m, the high half for 2m + 1, from
+    torch ops (with and without a work buffer; even and odd starts, one element, hash indices past
+    2**32) and from the compiled loop."""
+    k = kernels.get()
+    for start in STARTS + [1, (1 << 33) - 7]:
+        for n in (1, 2, 3, 300):
+            ref = torch.tensor([uniforms.reference16(key, start + j) for j in range(n)], dtype=torch.float64)
+            assert torch.equal(uniforms.fill16(key, start, torch.empty(n)).double(), ref), (start, n)
+            work = torch.full((2 * n,), -1, dtype=torch.int32)
+            assert torch.equal(uniforms.fill16(key, start, torch.empty(n), work).double(), ref), (start, n)
+            if k is not None:
+                b = torch.empty(n)
+                k.uniforms16(np.uint32(key[0]), np.uint32(key[1]), start, b.numpy())
+                assert torch.equal(b.double(), ref), (start, n)
+    h = uniforms.reference_hash(key, 3)
+    assert uniforms.reference16(key, 6) == (h & 0xFFFF) / 2**16
+    assert uniforms.reference16(key, 7) == (h >> 16) / 2**16
+
+
+def test_half_width_uniforms_are_uniform_and_uncorrelated():
+    """The two halves of one hash are two uniforms: 16-bit values, mean and variance, a
+    histogram, no correlation at lag 1 (the pair of one hash) or further, independent keys."""
+    n = 1 << 20
+    u = uniforms.fill16((0x2545F491, 0x9E3779B9), 0, torch.empty(n)).double()
+    assert float(u.min()) >= 0 and float(u.max()) < 1
+    assert torch.equal(u * 2**16, (u * 2**16).round())
+    assert abs(float(u.mean()) - 0.5) < 5 * math.sqrt(1 / 12 / n)
+    assert abs(float(u.var()) - 1 / 12) < 5 * math.sqrt(1 / 180 / n)
+    counts = torch.histc(u, bins=64, min=0, max=1)
+    chi2 = float(((counts - n / 64) ** 2 / (n / 64)).sum())
+    assert chi2 < 63 + 6 * math.sqrt(2 * 63)
+    c = u - 0.5
+    pairs = float((c[0::2] * c[1::2]).mean()) * 12  # the two halves of each hash
+    assert abs(pairs) < 5 / math.sqrt(n / 2)
+    for lag in (1, 2, 3, 32, 513):
+        corr = float((c[:-lag] * c[lag:]).mean()) * 12
+        assert abs(corr) < 5 / math.sqrt(n), lag
+    v = uniforms.fill16((0x2545F491, 0x9E3779B8), 0, torch.empty(n)).double() - 0.5
+    assert abs(float((c * v).mean()) * 12) < 5 / math.sqrt(n)
+
+
 def test_uniforms_are_uniform_and_uncorrelated():
     n = 1 << 20
     u = uniforms.fill((0x2545F491, 0x9E3779B9), 0, torch.empty(n)).double()
