@@ -736,7 +736,7 @@ _G = np.uint32(0x9E3779B9)
 _A = np.uint32(0x7FEB352D)
 _B = np.uint32(0x846CA68B)
 _U24 = _F32(2.0 ** -24)
-_U16 = _F32(2.0 ** -16)
+_U17 = _F32(2.0 ** -17)
 
 
 @njit(inline="always")
@@ -813,9 +813,10 @@ def _u24w(w, k1):
 
 @njit(inline="always")
 def _u16(b0, k1, i):
-    """The half-width u_i (uniforms.fill16): half i & 1 of h_(i >> 1) / 2**16; b0 = _base(k0, 0)."""
+    """The half-width u_i (uniforms.fill16): (m + 1/2) / 2**16, m the half i & 1 of h_(i >> 1);
+    b0 = _base(k0, 0)."""
     h = _h32(b0, k1, i >> 1)
-    return _F32(np.int32((h >> np.uint32(16 * (i & 1))) & np.uint32(0xFFFF))) * _U16
+    return _F32(np.int32((h >> np.uint32(16 * (i & 1))) & np.uint32(0xFFFF)) * np.int32(2) + np.int32(1)) * _U17
 
 
 @njit(cache=True, nogil=True)
@@ -1414,8 +1415,8 @@ def sign_stats(x, size, sub, qbits, absolute, amax, s, ks, scale, flags, out, gu
 @njit(cache=True, nogil=True)
 def tern_codes(x, s, bound, clip, k0, k1, start, codes):
     """TernGrad codes: a = min(|x|, bound) (``clip``) or |x|; 1 (+s) or 2 (-s, x < 0) where
-    u_i * s < a, u_i the half-width uniform (uniforms.fill16), else 0; fp32 operations as the
-    torch path's (finite x only)."""
+    u_i * s < a, u_i the half-width uniform (uniforms.fill16: (m + 1/2) / 2**16), else 0; fp32
+    operations as the torch path's (finite x only)."""
     b0 = _base(k0, 0)
     for j in range(x.shape[0]):
         v = x[j]
@@ -1433,13 +1434,13 @@ def _splat(builder, scalar, lanes=16):
 
 
 @intrinsic
-def _tern_groups(typingctx, xaddr, oaddr, groups, w, k1, s16, bound):
-    """:func:`tern_codes` of ``groups`` groups of 32 fp32 values at ``xaddr`` (the first one's index
-    even) packed as ``pack(codes, 32, 2)`` packs them, 8 bytes a group at ``oaddr``: the same
-    bytes, the codes never stored. ``w``: the Weyl term (:func:`_base`) of the first value's hash,
-    index >> 1; ``s16`` = s * 2**-16 (exact: the caller checks), so that u * s = m * s16 (m the
-    uniform's 16 bits), the same product rounded alike; ``bound``: inf where there is no clipping
-    (finite values only).
+def _tern_groups(typingctx, xaddr, oaddr, groups, w, k1, s17, bound):
+    """:func:`tern_codes` of ``groups`` groups of 32 fp32 values at ``xaddr`` (contiguous; the first
+    one's index even) packed as ``pack(codes, 32, 2)`` packs them, 8 bytes a group at ``oaddr``:
+    the same bytes, the codes never stored. ``w``: the Weyl term (:func:`_base`) of the first
+    value's hash, index >> 1; ``s17`` = s * 2**-17 (exact: the caller checks), so that u * s =
+    (2 m + 1) * s17 (m the uniform's 16 bits) is fma(m, 2 * s17, s17), the same real product
+    rounded once alike; ``bound``: inf where there is no clipping (finite values only).
 
     Why written in vector IR: the codes loop is compute-bound (the hash), and storing the codes a
     byte each, then packing them in a loop of their own, took ~5 of its ~20 vector operations per
@@ -1453,7 +1454,9 @@ def _tern_groups(typingctx, xaddr, oaddr, groups, w, k1, s16, bound):
     of w xored with k1 ^ (k1 >> 16) (one three-input operation where the CPU has one). The codes
     pass over 25M values: 2.0-2.1 read passes with the codes stored, 1.6 packed in registers, 1.3
     with a hash per two values (2026-11-26, this project's machine, side by side in one
-    process)."""
+    process). The fused multiply-add is ``llvm.fma`` (one instruction where the CPU has FMA, a
+    correctly rounded library call where it has not: the same bits, slower), never
+    ``llvm.fmuladd``, which may round twice."""
     sig = types.void(types.int64, types.int64, types.int64, types.uint32, types.uint32, types.float32, types.float32)
 
     def codegen(context, builder, signature, args):
@@ -1469,7 +1472,9 @@ def _tern_groups(typingctx, xaddr, oaddr, groups, w, k1, s16, bound):
             return ir.Constant(ir.VectorType(ir.IntType(8), 32), [v] * 32)
         k = _low32(builder, key)
         kk = _splat(builder, builder.xor(k, builder.lshr(k, ir.Constant(i32, 16))))
-        sv, bv = _splat(builder, s, 32), _splat(builder, b, 32)
+        cv, bv = _splat(builder, s, 32), _splat(builder, b, 32)
+        sv = builder.fadd(cv, cv)  # 2 * s17, exact
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v32f32")
         lanes = ir.Constant(vh, [(int(_G) * e) & 0xFFFFFFFF for e in range(16)])
         wslot = cgutils.alloca_once_value(builder, builder.add(_splat(builder, _low32(builder, w0)), lanes))
         xp = builder.inttoptr(xa, vf.as_pointer())
@@ -1484,7 +1489,7 @@ def _tern_groups(typingctx, xaddr, oaddr, groups, w, k1, s16, bound):
             h = builder.mul(h, const(_B, vh))
             h = builder.xor(h, builder.lshr(h, const(16, vh)))
             u = builder.zext(builder.bitcast(h, ir.VectorType(ir.IntType(16), 32)), vi)
-            p = builder.fmul(builder.sitofp(u, vf), sv)
+            p = builder.call(fma, [builder.sitofp(u, vf), sv, cv])  # (m + 1/2) * 2**-16 * s, rounded once
             bits = builder.bitcast(x, vi)
             ax = builder.bitcast(builder.and_(bits, const(0x7FFFFFFF)), vf)
             a = builder.select(builder.fcmp_ordered("<", bv, ax), bv, ax)  # min(|x|, bound)
@@ -1501,14 +1506,16 @@ def _tern_groups(typingctx, xaddr, oaddr, groups, w, k1, s16, bound):
 @njit(cache=True, nogil=True)
 def tern_packed(x, s, bound, clip, k0, k1, start, out, codes):
     """``pack(tern_codes(x, ...), n, 2)`` into out[:(n + 3) // 4], the same bytes: whole groups of 32
-    values through :func:`_tern_groups`, the rest (and all of x where ``start`` is odd or s * 2**-16
-    is not exact: s below 2**-110) through :func:`tern_codes` in ``codes`` (uint8 scratch of 16 or
-    more)."""
+    values through :func:`_tern_groups`, the rest (and all of x where ``start`` is odd or s * 2**-17
+    is not exact, as it may not be for s below 2**-109) through :func:`tern_codes` in ``codes``
+    (uint8 scratch of 16 or more); so does a strided x or out (the vector loop reads and writes
+    their memory as contiguous)."""
     n = x.shape[0]
-    s16 = s * _U16
-    full = n - n % 32 if start % 2 == 0 and s16 * _F32(65536.0) == s else 0
+    s17 = s * _U17
+    dense = x.strides[0] == 4 and out.strides[0] == 1
+    full = n - n % 32 if dense and start % 2 == 0 and s17 * _F32(131072.0) == s else 0
     if full:
-        _tern_groups(x.ctypes.data, out.ctypes.data, full // 32, _base(k0, start >> 1), k1, s16,
+        _tern_groups(x.ctypes.data, out.ctypes.data, full // 32, _base(k0, start >> 1), k1, s17,
                      bound if clip else _F32(np.inf))
     step = codes.shape[0] // 4 * 4
     for a in range(full, n, step):

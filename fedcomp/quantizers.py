@@ -1608,12 +1608,14 @@ class TernGrad(_ChecksummedRun, _TernaryRuns, Quantizer):
     """TernGrad (Wen et al. 2017): s * sign(g) * b, b ~ Bernoulli(|g| / s), s = max|g| per segment.
 
     With ``clip`` > 0, g is first clipped to +-clip * std(g) (biased; error feedback keeps the
-    clipped part). Unbiased with clip = 0. Elementwise |error| <= s.
+    clipped part). Unbiased with clip = 0, to the draws' resolution: P(sent) is |g| / s rounded to
+    the nearest multiple of 2**-16, a bias of at most min(|g|, s * 2**-17) per element, either
+    way. Elementwise |error| <= s.
 
     std(g) is computed from exact integer sums (:func:`_tern_std`; within ~1e-6 of ``torch.std``,
     which costs ~7 read passes), so the fused CPU loop and the torch path (CUDA, no numba) give
     the same bytes; the Bernoulli draws use the segment's half-width counter-based uniforms
-    (16 bits, :func:`fedcomp.uniforms.fill16`: P(sent) is a / s to within 2**-16).
+    (16 bits, two from one hash: :func:`fedcomp.uniforms.fill16`).
     """
 
     name = "terngrad"
@@ -1650,10 +1652,10 @@ class TernGrad(_ChecksummedRun, _TernaryRuns, Quantizer):
         1. The clip bound ``clip * std(x)`` (:func:`_tern_std`; skipped for clip = 0 or one value).
         2. s = max |clipped x| = min(max |x|, bound), in fp32.
         3. Per element: a = min(|x|, bound); code 1 (+s) or 2 (-s, x < 0) where u_i * s < a (so
-           P(sent) = a / s to within 2**-16: unbiased for clip = 0 to that resolution), else 0;
-           u_i the segment's half-width counter-based uniform (:func:`fedcomp.uniforms.fill16`), so
-           the chunking and the path (fused CPU loop or torch ops) do not change the bytes. A non-finite x gives s = NaN (or inf without clipping) and
-           every code 0, as before the rework."""
+           P(sent) = a / s rounded to the nearest multiple of 2**-16), else 0; u_i the segment's
+           half-width counter-based uniform (:func:`fedcomp.uniforms.fill16`), so the chunking
+           and the path (fused CPU loop or torch ops) do not change the bytes. A non-finite x
+           gives s = NaN (or inf without clipping) and every code 0, as before the rework."""
         m = x.numel()
         key = uniforms.draw_key(gen, x.device)
         clip = self.config.clip > 0 and m > 1

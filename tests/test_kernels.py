@@ -197,8 +197,8 @@ def test_powersgd_expand_keeps_torchs_nan_and_inf_bits(monkeypatch):
 def test_terngrad_packed_groups_are_the_codes_loop_packed(clip):
     """tern_packed (groups of 32 in vector IR, a hash per two values, the codes never stored) writes
     pack(tern_codes(...))'s bytes: lengths around a group, odd starts (the codes loop), hash
-    indices whose Weyl terms wrap 2**32, s = 0, and s below 2**-110 (s * 2**-16 not exact: the
-    codes loop does all of it)."""
+    indices whose Weyl terms wrap 2**32, s = 0, and s below 2**-109 (s * 2**-17 not exact: the
+    codes loop does all of it), strided x (the codes loop)."""
     k = kernels.get()
     g = np.random.default_rng(5)
     x = g.standard_normal(4099).astype(np.float32)
@@ -220,7 +220,11 @@ def test_terngrad_packed_groups_are_the_codes_loop_packed(clip):
                     k.tern_packed(xs[:n], s, bound, clip, 12345, 678, start, got, small)
                     assert got[:-1].tobytes() == want.tobytes(), (scale, s, n, start)
                     assert got[-1] == 0xAB  # nothing written past the codes
-    assert np.float32(top * np.float32(2.0**-16)) * np.float32(2.0**16) != top  # the second scale: the fallback
+                    strided = np.repeat(xs[:n], 2)[::2]
+                    got[:] = 0xAB
+                    k.tern_packed(strided, s, bound, clip, 12345, 678, start, got, small)
+                    assert got[:-1].tobytes() == want.tobytes(), (scale, s, n, start)
+    assert np.float32(top * np.float32(2.0**-17)) * np.float32(2.0**17) != top  # the second scale: the fallback
 
 
 @pytest.mark.parametrize("spec,code", [("twobit()", 1), ("terngrad()", 3)])

@@ -57,17 +57,18 @@ def test_half_width_fill_is_the_definition_on_both_paths(key):
                 k.uniforms16(np.uint32(key[0]), np.uint32(key[1]), start, b.numpy())
                 assert torch.equal(b.double(), ref), (start, n)
     h = uniforms.reference_hash(key, 3)
-    assert uniforms.reference16(key, 6) == (h & 0xFFFF) / 2**16
-    assert uniforms.reference16(key, 7) == (h >> 16) / 2**16
+    assert uniforms.reference16(key, 6) == ((h & 0xFFFF) + 0.5) / 2**16  # centred in its cell
+    assert uniforms.reference16(key, 7) == ((h >> 16) + 0.5) / 2**16
 
 
 def test_half_width_uniforms_are_uniform_and_uncorrelated():
-    """The two halves of one hash are two uniforms: 16-bit values, mean and variance, a
-    histogram, no correlation at lag 1 (the pair of one hash) or further, independent keys."""
+    """The two halves of one hash are two uniforms: cell centres (m + 1/2) / 2**16, mean and
+    variance, a histogram, no correlation at lag 1 (the pair of one hash) or further, independent
+    keys."""
     n = 1 << 20
     u = uniforms.fill16((0x2545F491, 0x9E3779B9), 0, torch.empty(n)).double()
-    assert float(u.min()) >= 0 and float(u.max()) < 1
-    assert torch.equal(u * 2**16, (u * 2**16).round())
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    assert torch.equal(u * 2**16 - 0.5, (u * 2**16 - 0.5).round())
     assert abs(float(u.mean()) - 0.5) < 5 * math.sqrt(1 / 12 / n)
     assert abs(float(u.var()) - 1 / 12) < 5 * math.sqrt(1 / 180 / n)
     counts = torch.histc(u, bins=64, min=0, max=1)
@@ -81,6 +82,29 @@ def test_half_width_uniforms_are_uniform_and_uncorrelated():
         assert abs(corr) < 5 / math.sqrt(n), lag
     v = uniforms.fill16((0x2545F491, 0x9E3779B8), 0, torch.empty(n)).double() - 0.5
     assert abs(float((c * v).mean()) * 12) < 5 / math.sqrt(n)
+
+
+def test_terngrad_keeps_with_a_over_s_rounded_to_the_nearest_cell():
+    """P(sent) = #{m < 2**16: fp32((m + 1/2) / 2**16 * s) < a} / 2**16, counted over every m: a / s
+    to within 2**-17 either way (and the fp32 product's rounding), and a value below s * 2**-17 is
+    never sent (with u = m / 2**16, m = 0 sent every a > 0: a bias of up to 2**-16 away from zero,
+    adding up over a tensor)."""
+    m = np.arange(1 << 16, dtype=np.float32)
+    u = (m * 2 + 1) * np.float32(2.0**-17)
+    for s in (np.float32(1.0), np.float32(0.37), np.float32(3e-5), np.float32(2.0**-100)):
+        g = np.random.default_rng(3)
+        for p in list(g.random(200)) + [1.0, 0.0, 2.0**-18, 2.0**-17 * 0.99, 2.0**-17 * 1.01, 1e-7, 1 - 2.0**-18]:
+            a = np.float32(p * s)
+            sent = float(np.count_nonzero(u * s < a)) / 2**16
+            assert abs(sent - float(a) / float(s)) <= 2.0**-17 + 2.0**-22, (s, p)  # and the product's rounding
+        assert np.count_nonzero(u * s < np.float32(s * np.float32(2.0**-17 * 0.99))) == 0
+    # the tensor-wide sum of tiny values: sent as zero now, not as 100,000 * 2**-16 = 1.5
+    x = torch.full((100_001,), 1e-7)
+    x[0] = 1.0
+    codec = fedcomp.build_codec("terngrad(clip=0)")
+    tiny = sum(float(codec.decode(codec.encode({"x": x}, nonce=r).payload, fedcomp.Layout.of({"x": x}))["x"][1:].sum())
+               for r in range(20))
+    assert tiny == 0.0
 
 
 def test_uniforms_are_uniform_and_uncorrelated():
