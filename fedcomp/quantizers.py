@@ -22,11 +22,20 @@ _FP16_MAX = 65504.0
 CODINGS = ("packed", "ans")  # how kbit/qsgd codes travel: fixed width, or entropy coded (fedcomp.entropy)
 
 
+ANS_MODES = 4  # the payload format from which an entropy-coded segment says how its codes travel
+
+
 class _EntropyCoded:
-    """Mixin of kbit and qsgd: ``coding="ans"`` re-codes the packed codes with range ANS.
+    """Mixin of kbit and qsgd: ``coding="ans"`` re-codes the packed codes with range ANS, where
+    that is smaller (:mod:`fedcomp.entropy`: a byte per segment says which, from payload format
+    :data:`ANS_MODES` on; format-1 payloads, every segment ANS, still decode).
 
     The canonical spec (hence the codec fingerprint and every payload byte) of ``coding="packed"``
-    is the one from before the option existed."""
+    is the one from before the option existed, and so is its payload format (1)."""
+
+    @property
+    def wire_version(self) -> int:  # type: ignore[override]
+        return ANS_MODES if self.config.coding == "ans" else 1  # type: ignore[attr-defined]
 
     def canonical(self) -> str:
         text = super().canonical()  # type: ignore[misc]
@@ -41,8 +50,9 @@ class _EntropyCoded:
         return self._packed_nbytes(count)
 
     def _ans(self, run, x: torch.Tensor, out: Writer, gen):
-        """Run the packed coder into a scratch writer, then send its codes entropy coded."""
-        from fedcomp.entropy import ans_write
+        """Run the packed coder into a scratch writer, then send its codes entropy coded where
+        that is smaller, else packed (a byte says which; format 1: always entropy coded)."""
+        from fedcomp import entropy
 
         tmp = Writer(x.device)
         y = run(x, tmp, gen)
@@ -50,7 +60,15 @@ class _EntropyCoded:
             return y
         params, codes = tmp.parts
         out.tensor(params)
-        ans_write(unpack_codes(codes, x.numel(), self._code_bits()), self._code_bits(), out)
+        freqs, words = entropy.ans_stream(unpack_codes(codes, x.numel(), self._code_bits()), self._code_bits())
+        if self.wire_version < ANS_MODES:
+            entropy.put_stream(freqs, words, out)
+        elif entropy.stream_bytes(freqs, words) < codes.numel():
+            out.u8(1)
+            entropy.put_stream(freqs, words, out)
+        else:
+            out.u8(0)
+            out.tensor(codes)
         return y
 
     def _read_codes(self, src: Reader, count: int, device: torch.device):
@@ -60,6 +78,11 @@ class _EntropyCoded:
         if self.config.coding == "ans":  # type: ignore[attr-defined]
             from fedcomp.entropy import ans_read
 
+            mode = src.u8() if src.version >= ANS_MODES else 1
+            if mode == 0:
+                return _packed_reader(src, count, bits, device)
+            if mode != 1:
+                raise DecodeError(f"entropy-coded segment says its codes travel as {mode}: 0 (packed) or 1 (ANS)")
             return _Codes(ans_read(src, count, bits).to(device), count, 8)
         return _packed_reader(src, count, bits, device)
 

@@ -71,7 +71,9 @@ def test_malformed_ans_streams_are_refused_with_decode_error():
     layout = fedcomp.Layout.of(x)
     payload = bytearray(codec.encode(x, nonce=2).payload)
     norms = 4 * math.ceil(5000 / 512)
-    table = 24 + norms
+    mode = 24 + norms  # the byte before the codes: 1, entropy coded
+    table = mode + 1
+    assert payload[mode] == 1
     g = torch.Generator().manual_seed(3)
     refused = 0
     for trial in range(40):
@@ -80,6 +82,12 @@ def test_malformed_ans_streams_are_refused_with_decode_error():
             bad[table:table + 32] = bytes(32)  # empty symbol table
         elif trial == 1:
             bad[table + 32:table + 36] = struct.pack("<I", 1 << 30)  # word count past the end
+        elif trial == 2:
+            bad[mode] = 2
+            with pytest.raises(fedcomp.DecodeError, match="0 \\(packed\\) or 1 \\(ANS\\)"):
+                codec.decode(_recrc(bad), layout)
+        elif trial == 3:
+            bad[mode] = 0  # packed codes said, an ANS stream there: its length is not the packed one
         else:
             pos = int(torch.randint(table, len(bad) - 4, (1,), generator=g))
             bad[pos] ^= 1 + int(torch.randint(255, (1,), generator=g))
@@ -89,4 +97,49 @@ def test_malformed_ans_streams_are_refused_with_decode_error():
             refused += 1
             continue
         assert out["w"].shape == x["w"].shape  # a flip inside the stream may still decode: to valid codes
-    assert refused >= 2
+    assert refused >= 4
+
+
+@pytest.mark.parametrize("spec", ["topk(ratio=0.01)+qsgd(bits=4,coding='ans')", "qsgd(bits=4,coding='ans')",
+                                  "kbit(bits=4,coding='ans')"])
+def test_ans_only_where_it_pays(spec):
+    """A byte per segment says how its codes travel: ANS where its stream is smaller, else packed
+    (its fixed ~40 bytes outweigh what it saves on a few hundred values), so an 'ans' payload is
+    never more than that byte per segment over the packed one, and much smaller on large ones."""
+    g = torch.Generator().manual_seed(5)
+    small = {"w1": torch.randn(64, 64, generator=g), "b1": torch.randn(64, generator=g),
+             "w2": torch.randn(10, 64, generator=g), "b2": torch.randn(10, generator=g)}
+    for x in (small, _x(200_000)):
+        layout = fedcomp.Layout.of(x)
+        codec, packed = fedcomp.build_codec(spec), fedcomp.build_codec(spec.replace(",coding='ans'", ""))
+        enc, ref = codec.encode(x, nonce=3), packed.encode(x, nonce=3)
+        segments = len(codec.segments(layout))
+        assert len(enc.payload) <= len(ref.payload) + segments
+        out = codec.decode(enc.payload, layout)
+        assert all(torch.equal(out[n], ref.decoded[n]) for n in x)
+        if x is not small:  # ANS there: ~0.5 bits fewer a value, 2,000 values or more
+            assert len(enc.payload) < len(ref.payload) - 100
+    tiny = fedcomp.build_codec(spec).encode({"b": torch.randn(10, generator=g)}, nonce=1).payload
+    assert len(tiny) == len(fedcomp.build_codec(spec.replace(",coding='ans'", "")).encode(
+        {"b": torch.randn(10, generator=g)}, nonce=1).payload) + 1  # packed, and the byte that says so
+
+
+def test_format_1_ans_payloads_still_decode_and_old_decoders_refuse_format_4(monkeypatch):
+    """Payloads of 'ans' codecs before the per-segment byte (format 1: every segment ANS) decode
+    as they did; a format-4 payload offered to a decoder of formats up to 3 is refused by name."""
+    from fedcomp import quantizers, wire
+
+    spec = "topk(ratio=0.01)+qsgd(bits=4,coding='ans')"
+    x = {"a": torch.randn(300, 40, generator=torch.Generator().manual_seed(6)), "b": torch.randn(7)}
+    layout = fedcomp.Layout.of(x)
+    with monkeypatch.context() as m:
+        m.setattr(quantizers._EntropyCoded, "wire_version", property(lambda self: 1))
+        old = fedcomp.build_codec(spec).encode(x, nonce=2)
+    codec = fedcomp.build_codec(spec)
+    assert codec.wire_version == quantizers.ANS_MODES == 4
+    out = codec.decode(old.payload, layout)
+    assert all(torch.equal(out[n], old.decoded[n]) for n in x)
+    new = codec.encode(x, nonce=2).payload
+    assert new != old.payload
+    with pytest.raises(fedcomp.DecodeError, match="payload format version 4"):
+        wire.open_payload(new, layout.fingerprint(), codec.fingerprint, (1, 2, 3))
