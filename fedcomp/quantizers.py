@@ -51,7 +51,7 @@ class _EntropyCoded:
 
     def _ans(self, run, x: torch.Tensor, out: Writer, gen):
         """Run the packed coder into a scratch writer, then send its codes entropy coded where
-        that is smaller, else packed (a byte says which; format 1: always entropy coded)."""
+        that is smaller, else packed (a byte says which)."""
         from fedcomp import entropy
 
         tmp = Writer(x.device)
@@ -61,9 +61,7 @@ class _EntropyCoded:
         params, codes = tmp.parts
         out.tensor(params)
         freqs, words = entropy.ans_stream(unpack_codes(codes, x.numel(), self._code_bits()), self._code_bits())
-        if self.wire_version < ANS_MODES:
-            entropy.put_stream(freqs, words, out)
-        elif entropy.stream_bytes(freqs, words) < codes.numel():
+        if entropy.stream_bytes(freqs, words) < codes.numel():
             out.u8(1)
             entropy.put_stream(freqs, words, out)
         else:

@@ -124,22 +124,27 @@ def test_ans_only_where_it_pays(spec):
         {"b": torch.randn(10, generator=g)}, nonce=1).payload) + 1  # packed, and the byte that says so
 
 
-def test_format_1_ans_payloads_still_decode_and_old_decoders_refuse_format_4(monkeypatch):
-    """Payloads of 'ans' codecs before the per-segment byte (format 1: every segment ANS) decode
-    as they did; a format-4 payload offered to a decoder of formats up to 3 is refused by name."""
+@pytest.mark.parametrize("spec,version", [("qsgd(bits=4,coding='ans')", 1),
+                                          ("randomk(ratio=0.5)+qsgd(bits=4,coding='ans')", 3)])
+def test_older_ans_payloads_still_decode_and_old_decoders_refuse_format_4(spec, version):
+    """Payloads of 'ans' codecs from before the per-segment byte (every segment ANS; format 1, or 3
+    where random-k set it) decode as they did: here the new payload with its byte taken out and
+    the version it had then. A format-4 payload offered to a decoder of formats up to 3 is
+    refused by name."""
     from fedcomp import quantizers, wire
 
-    spec = "topk(ratio=0.01)+qsgd(bits=4,coding='ans')"
-    x = {"a": torch.randn(300, 40, generator=torch.Generator().manual_seed(6)), "b": torch.randn(7)}
+    x = _x(5000)
     layout = fedcomp.Layout.of(x)
-    with monkeypatch.context() as m:
-        m.setattr(quantizers._EntropyCoded, "wire_version", property(lambda self: 1))
-        old = fedcomp.build_codec(spec).encode(x, nonce=2)
     codec = fedcomp.build_codec(spec)
     assert codec.wire_version == quantizers.ANS_MODES == 4
-    out = codec.decode(old.payload, layout)
-    assert all(torch.equal(out[n], old.decoded[n]) for n in x)
-    new = codec.encode(x, nonce=2).payload
-    assert new != old.payload
+    enc = codec.encode(x, nonce=2)
+    new = enc.payload
+    assert new[2] == 4  # b"FC", then the version
+    mode = 24 + 4 * math.ceil(enc.kept[0] / 512)  # after the header and the bucket norms
+    assert new[mode] == 1
+    old = bytearray(new[:mode] + new[mode + 1:])
+    old[2] = version
+    out = codec.decode(_recrc(old), layout)
+    assert torch.equal(out["w"], enc.decoded["w"])
     with pytest.raises(fedcomp.DecodeError, match="payload format version 4"):
         wire.open_payload(new, layout.fingerprint(), codec.fingerprint, (1, 2, 3))
