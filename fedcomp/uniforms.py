@@ -30,7 +30,8 @@ Why: TernGrad's codes loop is compute-bound and the hash was 11 of its 16 vector
 16 values; a hash per two values took the loop from ~1.6 to ~1.3 read passes of 25M values
 (2026-11-26, this project's machine). What it costs: P(u_i * s < a) is a / s rounded to the
 nearest multiple of 2**-16 (2**-24 before), a bias of at most min(|x|, s * 2**-17) per element,
-either way, so it averages out over values spread across the cells. Why centred: with
+either way, so it averages out over values spread across the cells (plus the rounding of the fp32
+product u * s, which dominates for a subnormal s, below ~1.2e-38, as it did with 24 bits). Why centred: with
 u = m / 2**16, m = 0 passed every a > 0, so every value below s * 2**-16 was sent with
 probability 2**-16, a bias of up to s * 2**-16 that always pointed away from zero and added up
 over a tensor (100,000 values of 1e-7 beside one of 1.0 decoded to a sum of ~1.5 against 0.01);
