@@ -8,7 +8,7 @@ Stream layout (after the quantizer's per-block parameters)::
 
 The model is a categorical distribution over the 2^bits codes with probabilities proportional to
 the sent frequencies, rebuilt identically by the decoder. From payload format 4 on, kbit and qsgd
-put a byte before their codes: 1, this stream follows; 0, the codes follow packed, as with
+put a byte before their codes (formats 1-3: always this stream): 1, this stream follows; 0, the codes follow packed, as with
 ``coding='packed'``, where this stream would not be smaller (its fixed ~40 bytes outweigh what it
 saves on a few hundred values: 147 against 116 bytes for the top 1% of a 4,810-parameter MLP). On the top-k values of a dense update
 coded by 4-bit QSGD (symbol entropy about 2.2 bits), the stream costs within 1% of the entropy at
@@ -49,6 +49,11 @@ def ans_stream(symbols: torch.Tensor, bits: int) -> tuple[np.ndarray, np.ndarray
     return freqs, words
 
 
+def table_bytes(bits: int) -> int:
+    """The stream's bytes before its words (frequencies and word count)."""
+    return 2 * (1 << bits) + 4
+
+
 def stream_bytes(freqs: np.ndarray, words: np.ndarray) -> int:
     """The bytes :func:`put_stream` writes."""
     return 2 * freqs.size + 4 + 4 * words.size
@@ -61,15 +66,9 @@ def put_stream(freqs: np.ndarray, words: np.ndarray, out: Writer) -> None:
     out.tensor(torch.from_numpy(words.astype("<u4")))
 
 
-def ans_write(symbols: torch.Tensor, bits: int, out: Writer) -> int:
-    """Write the entropy-coded stream of ``symbols`` (integers < 2**bits); return its bytes."""
-    freqs, words = ans_stream(symbols, bits)
-    put_stream(freqs, words, out)
-    return stream_bytes(freqs, words)
-
 
 def ans_read(src: Reader, count: int, bits: int) -> torch.Tensor:
-    """Inverse of :func:`ans_write`: ``count`` symbols as uint8 (bits <= 8); DecodeError if malformed."""
+    """Inverse of :func:`put_stream`: ``count`` symbols as uint8 (bits <= 8); DecodeError if malformed."""
     freqs = src.take(2 * (1 << bits)).numpy().view("<u2").astype(np.float64)
     nwords = src.u32()
     if 4 * nwords > src.remaining:

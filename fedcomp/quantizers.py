@@ -28,7 +28,8 @@ ANS_MODES = 4  # the payload format from which an entropy-coded segment says how
 class _EntropyCoded:
     """Mixin of kbit and qsgd: ``coding="ans"`` re-codes the packed codes with range ANS, where
     that is smaller (:mod:`fedcomp.entropy`: a byte per segment says which, from payload format
-    :data:`ANS_MODES` on; format-1 payloads, every segment ANS, still decode).
+    :data:`ANS_MODES` on; older payloads, every segment ANS, still decode: format 1, or 2 and 3
+    where random-k or a sketch set the codec's version).
 
     The canonical spec (hence the codec fingerprint and every payload byte) of ``coding="packed"``
     is the one from before the option existed, and so is its payload format (1)."""
@@ -60,10 +61,13 @@ class _EntropyCoded:
             return y
         params, codes = tmp.parts
         out.tensor(params)
-        freqs, words = entropy.ans_stream(unpack_codes(codes, x.numel(), self._code_bits()), self._code_bits())
-        if entropy.stream_bytes(freqs, words) < codes.numel():
+        bits = self._code_bits()
+        stream = None
+        if entropy.table_bytes(bits) < codes.numel():  # else the table alone outweighs the codes
+            stream = entropy.ans_stream(unpack_codes(codes, x.numel(), bits), bits)
+        if stream is not None and entropy.stream_bytes(*stream) < codes.numel():  # a tie goes packed
             out.u8(1)
-            entropy.put_stream(freqs, words, out)
+            entropy.put_stream(*stream, out)
         else:
             out.u8(0)
             out.tensor(codes)

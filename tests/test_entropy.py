@@ -6,6 +6,7 @@ import math
 import struct
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,17 +120,19 @@ def test_ans_only_where_it_pays(spec):
         assert all(torch.equal(out[n], ref.decoded[n]) for n in x)
         if x is not small:  # ANS there: ~0.5 bits fewer a value, 2,000 values or more
             assert len(enc.payload) < len(ref.payload) - 100
-    tiny = fedcomp.build_codec(spec).encode({"b": torch.randn(10, generator=g)}, nonce=1).payload
-    assert len(tiny) == len(fedcomp.build_codec(spec.replace(",coding='ans'", "")).encode(
-        {"b": torch.randn(10, generator=g)}, nonce=1).payload) + 1  # packed, and the byte that says so
+    tiny = {"b": torch.randn(10, generator=g)}
+    assert len(fedcomp.build_codec(spec).encode(tiny, nonce=1).payload) == len(
+        fedcomp.build_codec(spec.replace(",coding='ans'", "")).encode(tiny, nonce=1).payload) + 1  # packed, and its byte
 
 
 @pytest.mark.parametrize("spec,version", [("qsgd(bits=4,coding='ans')", 1),
+                                          ("randomk(ratio=0.5)+qsgd(bits=4,coding='ans')", 2),
                                           ("randomk(ratio=0.5)+qsgd(bits=4,coding='ans')", 3)])
 def test_older_ans_payloads_still_decode_and_old_decoders_refuse_format_4(spec, version):
-    """Payloads of 'ans' codecs from before the per-segment byte (every segment ANS; format 1, or 3
-    where random-k set it) decode as they did: here the new payload with its byte taken out and
-    the version it had then. A format-4 payload offered to a decoder of formats up to 3 is
+    """Payloads of 'ans' codecs from before the per-segment byte (every segment ANS; format 1, or 2
+    and 3 where random-k set it) decode as they did: here the new payload with its byte taken out
+    and the version it had then (random-k's format 2 draws other positions: the bytes of a format-3
+    draw under version 2 are still a valid payload, decoded without reading a mode byte). A format-4 payload offered to a decoder of formats up to 3 is
     refused by name."""
     from fedcomp import quantizers, wire
 
@@ -144,7 +147,30 @@ def test_older_ans_payloads_still_decode_and_old_decoders_refuse_format_4(spec, 
     assert new[mode] == 1
     old = bytearray(new[:mode] + new[mode + 1:])
     old[2] = version
-    out = codec.decode(_recrc(old), layout)
-    assert torch.equal(out["w"], enc.decoded["w"])
+    out = codec.decode(_recrc(old), layout)["w"]
+    if version == 2:  # the same values at format 2's positions
+        assert torch.equal(out.sort().values, enc.decoded["w"].sort().values)
+        assert not torch.equal(out, enc.decoded["w"])
+    else:
+        assert torch.equal(out, enc.decoded["w"])
     with pytest.raises(fedcomp.DecodeError, match="payload format version 4"):
         wire.open_payload(new, layout.fingerprint(), codec.fingerprint, (1, 2, 3))
+
+
+def test_an_ans_stream_as_long_as_the_packed_codes_goes_packed(monkeypatch):
+    """The choice is strict: a stream exactly as long as the packed codes is not taken (a tie,
+    made here by a stream whose words fill the packed codes' bytes exactly)."""
+    from fedcomp import entropy
+
+    x = {"w": torch.randn(80, generator=torch.Generator().manual_seed(7))}  # 40 bytes of 4-bit codes
+    real = entropy.ans_stream
+
+    def tie(symbols, bits):
+        freqs, _ = real(symbols, bits)
+        return freqs, np.zeros((40 - entropy.table_bytes(bits)) // 4, dtype=np.uint32)
+    monkeypatch.setattr(entropy, "ans_stream", tie)
+    codec = fedcomp.build_codec("kbit(bits=4,block=0,coding='ans')")
+    enc = codec.encode(x, nonce=1)
+    packed = fedcomp.build_codec("kbit(bits=4,block=0)").encode(x, nonce=1)
+    assert len(enc.payload) == len(packed.payload) + 1
+    assert torch.equal(codec.decode(enc.payload, fedcomp.Layout.of(x))["w"], packed.decoded["w"])
