@@ -162,6 +162,74 @@ def _put_f32(values, region, o):
 _i32_bits = _bitcast(types.int32, ir.IntType(32), types.float32, "The int32 whose bits are the fp32 ``v``.")
 
 
+def _hardware_half() -> bool:
+    """Whether LLVM converts fp16 in instructions for the CPU the loops are compiled for: always
+    but on x86 without F16C, where ``fpext`` / ``fptrunc`` of half become calls to compiler-rt's
+    ``__extendhfsf2`` / ``__truncsfhf2``, which numba's JIT does not link: LLVM aborts the whole
+    process when such a loop is compiled (found compiling for a baseline x86-64, as QEMU's default
+    CPU models and older or low-end CPUs such as Goldmont Celerons are)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if not llvm.get_process_triple().startswith(("x86_64", "i386", "i486", "i586", "i686")):
+        return True
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else llvm.get_host_cpu_features().flatten()
+    return "+f16c" in features.split(",")
+
+
+@njit(inline="always")
+def _half_f32_soft(v):
+    """:func:`_half_f32` in integer operations (exact; a NaN keeps its sign and payload, quieted,
+    as F16C does)."""
+    b = np.int32(v)
+    sign = np.int64(b & 0x8000) << 16
+    e = (b >> 10) & 0x1F
+    m = np.int64(b & 0x3FF)
+    if e == 0:  # zero or subnormal: m * 2**-24, exact in fp32
+        f = _F32(m) * _F32(2.0 ** -24)
+        return -f if sign else f
+    if e == 0x1F:
+        bits = sign | 0x7F800000 | (m << 13) | (0x400000 if m else 0)
+    else:
+        bits = sign | (np.int64(e + 112) << 23) | (m << 13)
+    return _f32_bits(np.int32(np.uint32(bits)))
+
+
+@njit(inline="always")
+def _f32_half_soft(x):
+    """:func:`_f32_half` in integer operations: round to nearest even, beyond fp16's range inf, a
+    NaN quieted with its sign and top payload bits (F16C's bits)."""
+    b = np.int64(_i32_bits(x)) & 0xFFFFFFFF
+    sign = (b >> 16) & 0x8000
+    a = b & 0x7FFFFFFF
+    if a >= 0x7F800000:  # inf, NaN
+        h = 0x7C00 | ((a >> 13) & 0x3FF) | (0x200 if a > 0x7F800000 else 0)
+    elif a >= 0x477FF000:  # 65520 and up: inf
+        h = 0x7C00
+    elif a >= 0x38800000:  # a normal fp16: drop 13 mantissa bits, to nearest even (a carry moves up)
+        h = (a >> 13) - (112 << 10)
+        rest = a & 0x1FFF
+        if rest > 0x1000 or (rest == 0x1000 and (h & 1)):
+            h += 1
+    elif a < 0x33000000:  # at most 2**-25, half the smallest subnormal: 0 (a tie goes to even)
+        h = 0
+    else:  # a subnormal fp16 (or the smallest normal, by a carry)
+        e = a >> 23
+        m = (a & 0x7FFFFF) | 0x800000
+        shift = 126 - e
+        h = m >> shift
+        rest = m & ((np.int64(1) << shift) - 1)
+        halfway = np.int64(1) << (shift - 1)
+        if rest > halfway or (rest == halfway and (h & 1)):
+            h += 1
+    return np.uint16(sign | h)
+
+
+_half_f32_hw, _f32_half_hw = _half_f32, _f32_half
+if not _hardware_half():
+    _half_f32, _f32_half = _half_f32_soft, _f32_half_soft  # the loops below take these
+
+
 # -- codes -------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
 def unpack(data, count, bits, out):

@@ -426,6 +426,93 @@ def test_wide_kernels_compile_quietly_to_the_torch_paths_bytes(tmp_path, monkeyp
     assert got.stdout.split() == expected
 
 
+def test_software_half_conversions_are_the_hardwares_bits():
+    """Where x86 has no F16C the loops convert fp16 in integer operations (LLVM's own lowering
+    calls compiler-rt, which numba does not link: the process aborted): every fp16 pattern to
+    fp32, and fp32 to fp16 around every boundary (subnormals, the smallest normal, 65504 and
+    65520, inf and NaN payloads) and on random patterns, bit for bit F16C's (this machine's
+    instructions where it has them; else the fp16 values torch converts)."""
+    from numba import njit
+
+    import fedcomp._numba_kernels as nk
+
+    def converter(up, down):  # one loop per pair (the hardware's must not compile where it has none)
+        @njit
+        def convert(half, out32, xs, out16):
+            for b in range(half.shape[0]):
+                out32[b] = up(half[b])
+            for j in range(xs.shape[0]):
+                out16[j] = down(xs[j])
+        return convert
+    g = np.random.default_rng(9)
+    edges = [np.arange(a - 3000, a + 3000, dtype=np.int64) for a in (0, 0x33000000, 0x38800000, 0x477FE000, 0x477FF000,
+                                                                      0x7F800000, 0x7FC00000)]
+    bits = np.concatenate(edges + [g.integers(0, 1 << 32, 300_000)]) & 0xFFFFFFFF
+    bits = np.concatenate([bits, bits ^ 0x80000000]).astype(np.uint32)
+    xs = bits.view(np.float32)
+    half = np.arange(1 << 16, dtype=np.uint16)
+    soft32, soft16 = np.empty(1 << 16, np.float32), np.empty(xs.size, np.uint16)
+    converter(nk._half_f32_soft, nk._f32_half_soft)(half, soft32, xs, soft16)
+    if nk._hardware_half() and nk._half_f32 is nk._half_f32_hw:
+        hw32, hw16 = np.empty(1 << 16, np.float32), np.empty(xs.size, np.uint16)
+        converter(nk._half_f32_hw, nk._f32_half_hw)(half, hw32, xs, hw16)
+        assert np.array_equal(soft32.view(np.uint32), hw32.view(np.uint32))
+        assert np.array_equal(soft16, hw16)
+    finite = ~np.isnan(xs)  # torch's own conversion: the same values (NaN payloads aside)
+    want16 = torch.from_numpy(xs[finite]).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(soft16[finite], want16)
+    ordinary = (half & 0x7C00) != 0x7C00
+    assert np.array_equal(soft32[ordinary], torch.from_numpy(half[ordinary].view(np.float16)).float().numpy())
+
+
+def test_loops_compile_and_run_without_f16c(tmp_path, monkeypatch):
+    """Compiled for an x86-64 without F16C (NUMBA_CPU_FEATURES), the loops that convert fp16 build
+    and give the torch path's bytes and values (before, LLVM aborted the process)."""
+    import subprocess
+    import sys
+
+    if not nk_is_x86():
+        pytest.skip("an x86 feature set")
+    specs = ["fp16()", "kbit(bits=4)", "none()"]
+    code = _FRESH_COMPILE + """
+from fedcomp import _numba_kernels as nk
+from fedcomp.aggregate import Accumulator
+assert not nk._hardware_half() and nk._half_f32 is nk._half_f32_soft
+layout = fedcomp.Layout.of({"h": torch.zeros(3000, dtype=torch.float16)})
+for spec in sys.argv[1:]:
+    codec = fedcomp.build_codec(spec)
+    h = {"h": torch.randn(3000, generator=torch.Generator().manual_seed(4)).half()}
+    payload = codec.encode(h, nonce=1).payload
+    acc = Accumulator(codec, layout)
+    acc.add(payload, 1.0)
+    sys.stdout.write(payload.hex() + " " + acc.sum()["h"].double().numpy().tobytes().hex() + "\\n")
+"""
+    features = "+64bit,+sse,+sse2,+cmov,+cx16,+mmx,-avx,-avx2,-fma,-f16c,-avx512f"
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), FEDCOMP_KERNELS="1", NUMBA_CPU_NAME="x86-64",
+               NUMBA_CPU_FEATURES=features)
+    got = subprocess.run([sys.executable, "-c", code, *specs], env=env, capture_output=True, text=True, timeout=600)
+    assert got.returncode == 0, got.stderr[-2000:]
+    lines = got.stdout.split("\n")
+    monkeypatch.setenv("FEDCOMP_KERNELS", "0")
+    x = {"w": torch.randn(20000, generator=torch.Generator().manual_seed(3))}
+    layout = fedcomp.Layout.of({"h": torch.zeros(3000, dtype=torch.float16)})
+    expected = [fedcomp.build_codec(spec).encode(x, nonce=5, round=2, state={}).payload.hex() for spec in specs]
+    assert lines[:len(specs)] == expected
+    for spec, line in zip(specs, lines[len(specs):]):
+        codec = fedcomp.build_codec(spec)
+        h = {"h": torch.randn(3000, generator=torch.Generator().manual_seed(4)).half()}
+        payload = codec.encode(h, nonce=1).payload
+        acc = Accumulator(codec, layout)
+        acc.add(payload, 1.0)
+        assert line == payload.hex() + " " + acc.sum()["h"].double().numpy().tobytes().hex(), spec
+
+
+def nk_is_x86() -> bool:
+    import llvmlite.binding as llvm
+
+    return llvm.get_process_triple().startswith(("x86_64", "i386", "i686"))
+
+
 @pytest.mark.parametrize("spec", ["terngrad()", "sign(scale='rms')", "sign()"])
 def test_blocks_just_below_a_power_of_two_sum_exactly_in_the_max_loop(spec, monkeypatch):
     """Whole 65,536-value blocks of 0.99999: |q| = 2**20 - 10 each, so a chunk's sum of squares
