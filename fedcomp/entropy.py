@@ -8,13 +8,13 @@ Stream layout (after the quantizer's per-block parameters)::
 
 The model is a categorical distribution over the 2^bits codes with probabilities proportional to
 the sent frequencies, rebuilt identically by the decoder. From payload format 4 on, kbit and qsgd
-put a byte before their codes (formats 1-3: always this stream): 1, this stream follows; 0, the codes follow packed, as with
-``coding='packed'``, where this stream would not be smaller (its fixed ~40 bytes outweigh what it
-saves on a few hundred values: 147 against 116 bytes for the top 1% of a 4,810-parameter MLP). On the top-k values of a dense update
-coded by 4-bit QSGD (symbol entropy about 2.2 bits), the stream costs within 1% of the entropy at
-25,000 kept values (table included), against 4 bits packed. ``constriction`` is imported on first
-use only (cold start).
-"""
+put a byte before their codes (formats 1-3: always this stream): 1, this stream follows; 0, the
+codes follow packed, as with ``coding='packed'``, where this stream would not be smaller (its
+fixed ~40 bytes outweigh what it saves on a few hundred values: 147 against 116 bytes for the
+top 1% of a 4,810-parameter MLP). On the top-k values of a dense update coded by 4-bit QSGD
+(symbol entropy about 2.2 bits), the stream costs within 1% of the entropy at 25,000 kept values
+(table included), against 4 bits packed. ``constriction`` is imported on first use only (cold
+start)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def table_bytes(bits: int) -> int:
 
 def stream_bytes(freqs: np.ndarray, words: np.ndarray) -> int:
     """The bytes :func:`put_stream` writes."""
-    return 2 * freqs.size + 4 + 4 * words.size
+    return table_bytes(freqs.size.bit_length() - 1) + 4 * words.size
 
 
 def put_stream(freqs: np.ndarray, words: np.ndarray, out: Writer) -> None:
@@ -64,7 +64,6 @@ def put_stream(freqs: np.ndarray, words: np.ndarray, out: Writer) -> None:
     out.tensor(torch.from_numpy(freqs.astype("<u2")))
     out.u32(words.size)
     out.tensor(torch.from_numpy(words.astype("<u4")))
-
 
 
 def ans_read(src: Reader, count: int, bits: int) -> torch.Tensor:
