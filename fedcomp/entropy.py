@@ -56,7 +56,7 @@ def table_bytes(bits: int) -> int:
 
 def stream_bytes(freqs: np.ndarray, words: np.ndarray) -> int:
     """The bytes :func:`put_stream` writes."""
-    return table_bytes(freqs.size.bit_length() - 1) + 4 * words.size
+    return 2 * freqs.size + 4 + 4 * words.size
 
 
 def put_stream(freqs: np.ndarray, words: np.ndarray, out: Writer) -> None:
