@@ -18,7 +18,7 @@ whole value when the cell is a heavy hitter, 64 coordinates at a time. A spec th
 keeps it, 5 rows, ``ratio=0.005`` and fp32 cells (the former defaults), so specs written before
 the scaling are the same codec (``sketch(cols=1000)`` is still ``sketch(rows=5,cols=1000,ratio=0.005,seed=0)``).
 With automatic cols the heavy hitters' share is 0.02: on mnist ``cnn-bn``, 100 clients at 10% per
-round, 0.005 lost 12.5 points against dense and 0.02 lost 1.8 (``simulations/figures/families``).
+round, 0.005 lost 12.5 points against dense and 0.02 lost 1.8 (``results/families``).
 
 Hashes (payload format 2, since 2026-11-26): h_r(j) and s_r(j) come from the counter hash of j in
 row r's stream (:mod:`fedcomp.uniforms`), computed chunk by chunk where the data is; payloads of

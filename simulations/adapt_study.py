@@ -287,7 +287,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--clients", type=int, default=10)
     ap.add_argument("--ratios", nargs="*", type=float, default=list(RATIOS), help="fixed ratios of the family (none: only dense and auto)")
-    ap.add_argument("--out", default="simulations/figures/adapt")
+    ap.add_argument("--out", default="results/adapt")
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     ap.add_argument("--reuse", action="store_true", help="take matching dense and fixed runs from the results file")
     ap.add_argument("--no-auto", action="store_true", help="skip the auto runs")

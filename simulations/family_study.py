@@ -20,7 +20,7 @@ import json
 import statistics
 from pathlib import Path
 
-OUT = Path(__file__).parent / "figures" / "families" / "results.jsonl"
+OUT = Path(__file__).resolve().parent.parent / "results" / "families" / "results.jsonl"
 DENSE = "dense"
 
 #: family -> upload spec at the README's defaults (the codec table in "Codecs and the spec grammar")

@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-upload", type=int, default=937_000, help="the largest reply (digits mlp, dense)")
     ap.add_argument("--jitter", type=float, nargs="+", default=[0.02, 0.05],
                     help="relative error of measured times (and the compute's jitter); one run each, the first plotted")
-    ap.add_argument("--out", default="simulations/figures/adapt")
+    ap.add_argument("--out", default="results/adapt")
     args = ap.parse_args(argv)
     if args.results:
         s = from_results(args.results)

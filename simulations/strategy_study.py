@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-OUT = Path(__file__).parent / "figures" / "strategies" / "results.jsonl"
+OUT = Path(__file__).resolve().parent.parent / "results" / "strategies" / "results.jsonl"
 
 
 def strategies(clients: int, fraction: float, lr: float) -> dict:

@@ -248,7 +248,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--clients", type=int, default=10)
     ap.add_argument("--codecs", nargs="+", help="specs (error feedback on; add ':noef' for off); default: the built-in list")
-    ap.add_argument("--out", default="simulations/figures/sweep")
+    ap.add_argument("--out", default="results/sweep")
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)), help="parallel runs")
     args = ap.parse_args(argv)
     runs_cfg = DEFAULT_RUNS if not args.codecs else tuple(

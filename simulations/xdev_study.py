@@ -43,7 +43,7 @@ one encode of ``C(G - R)`` per round, and every client trains from R):
   that ``ServerFeedback.step_broadcast`` encodes with the download codec, clients replay those
   payloads from the seeded round-0 model (chains as in ``seeded``) and so hold G itself.
 
-Results: ``simulations/figures/xdev/results.jsonl`` (one JSON line per run) and README.md there.
+Results: ``results/xdev/results.jsonl`` (one JSON line per run) and README.md there.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from fedcomp.server_feedback import ServerFeedback, plan_download
 from fedcomp.simulations import task
 
 MESSAGE_OVERHEAD = 64  # bytes per message beside the payload (round, tier, version, CRC, spec id)
-OUT_DIR = Path(__file__).resolve().parent / "figures" / "xdev"
+OUT_DIR = Path(__file__).resolve().parent.parent / "results" / "xdev"
 
 
 @dataclass(frozen=True)

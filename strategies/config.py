@@ -5,7 +5,7 @@
 validated in ``__post_init__`` (a :class:`fedcomp.SpecError` naming the value and what is allowed),
 so a bad configuration fails at construction, before any round.
 
-Defaults picked from the regime (issue 15; measured in ``simulations/figures/xdev/README.md``):
+Defaults picked from the regime (issue 15; measured in ``results/xdev/README.md``):
 ``upload="auto"`` and ``download="auto"`` (the defaults) resolve at the first training round,
 when the number of connected nodes, the number sampled and the model's size are known
 (:meth:`CompressionConfig.resolve`):
@@ -25,7 +25,7 @@ when the number of connected nodes, the number sampled and the model's size are 
   +0.2, silo-half +0.3 against -0.2) for half the download compression (16.7x against 30.5x in
   cross-device; 0.05: +4.7, 7.6x); a char-LSTM, 100 clients at 10%: -0.6 against -1.7 points.
   Through ``flwr run`` on the project's MLP (100 nodes at 10%, 60 rounds) both end at or above dense,
-  0.02 with 16x fewer download bytes against 29x (``simulations/figures/xdev/ratio_2026-11-26.md``).
+  0.02 with 16x fewer download bytes against 29x (``results/xdev/ratio_2026-11-26.md``).
   The upload's bytes do not depend on it.
 
 An explicit upload spec resolves at the same moment: in cross-device its codec takes its

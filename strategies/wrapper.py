@@ -138,7 +138,7 @@ class CompressedStrategy(Strategy):
     upload : str (default: ``"auto"``)
         Codec spec the clients use for their updates. ``"auto"`` picks it from the regime at the
         first training round (:class:`CompressionConfig`, measured in
-        ``simulations/figures/xdev/README.md``): every connected node sampled every round ->
+        ``results/xdev/README.md``): every connected node sampled every round ->
         ``topk(ratio=0.01)+qsgd(bits=4)`` with client error feedback; fewer (``fraction_train < 1``)
         -> ``sketch(rows=1, cols=ceil(0.068 n), ratio=0.01)+qsgd(bits=4)`` (n = float parameters)
         with server-side error feedback (``aggregation="sketch"``). Link budgets and ``delta``
@@ -333,7 +333,7 @@ class CompressedStrategy(Strategy):
 
     def _warn_stale_residuals(self, sampled: int, connected: int) -> None:
         """A biased upload that relies on state kept on each client, at a setting that did not hold
-        in a run where each client takes part now and then (measured in ``simulations/figures/families``;
+        in a run where each client takes part now and then (measured in ``results/families``;
         the codecs' cross-device defaults are the settings that held)."""
         reducer = getattr(self.upload, "reducer", None)
         quantizer = getattr(self.upload, "quantizer", None)
