@@ -345,13 +345,66 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
             server_round=server_round, use_ef=use_ef, beta=beta, last_sent=last_sent,
             download_seen=download_seen, start=start)
         return reply
-    encoded, new_residual = fedcomp.compress(
-        upload, delta, residual, nonce=nonce, error_feedback=use_ef, round=server_round, state=codec_state
-    )
+    with _encoding(upload.spec, layout):
+        encoded, new_residual = fedcomp.compress(
+            upload, delta, residual, nonce=nonce, error_feedback=use_ef, round=server_round, state=codec_state
+        )
     _remember(state, cfg, encoded, new_residual, codec_state, server_round, use_ef, beta, last_sent)
     rest[P.UPLOAD_RECORD] = ConfigRecord({P.PAYLOAD: encoded.payload, **record})
     reply.content = rest
     return reply
+
+
+class _encoding:
+    """Context of an encode: an unexpected exception in it (a codec bug, not the user's code)
+    becomes a :class:`ModError` naming the codec spec and the tensors being encoded where the
+    traceback shows them (a segment's names, a tensor name), else the layout's tensors and sizes,
+    so the server records the client's failure and the reason instead of a raw traceback.
+    ``passes``: exception types left to the caller."""
+
+    def __init__(self, spec: str, layout: fedcomp.Layout, passes: tuple[type[BaseException], ...] = ()) -> None:
+        self.spec, self.layout, self.passes = spec, layout, passes
+
+    def __enter__(self) -> "_encoding":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, (ModError, *self.passes)):
+            return False
+        raise ModError(f"fedcomp could not encode this reply with upload codec {self.spec!r} "
+                       f"({type(exc).__name__}: {exc}) {encode_context(exc, self.layout)}; this is a bug in "
+                       f"fedcomp's codec, please report it with this message (the round goes on without this "
+                       f"node's update)") from exc
+
+
+def encode_context(exc: BaseException, layout: fedcomp.Layout | None, limit: int = 8) -> str:
+    """Which tensors an encode was at when ``exc`` was raised: the innermost frame of the traceback
+    holding a segment (``.names``) or a tensor ``name`` of the layout; else the layout's tensors
+    (name and size, the first ``limit``)."""
+    names = set(layout.names) if layout is not None else set()
+    found = None
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # past the caller's own frame
+    while tb is not None:  # outermost to innermost: the last match is the innermost
+        local = tb.tb_frame.f_locals
+        for key in ("seg", "segment"):
+            seg = local.get(key)
+            seg_names = getattr(seg, "names", None)
+            if isinstance(seg_names, tuple) and seg_names and all(isinstance(n, str) for n in seg_names):
+                sizes = getattr(seg, "numel", None)
+                found = (f"in the segment of tensor(s) {list(seg_names)[:limit]}"
+                         + (f" ({sizes} elements)" if isinstance(sizes, int) else ""))
+        name = local.get("name")
+        if isinstance(name, str) and name in names:
+            spec = next(t for t in layout.tensors if t.name == name)
+            found = f"in tensor {name!r} (shape {list(spec.shape)}, {spec.numel} elements)"
+        tb = tb.tb_next
+    if found is not None:
+        return found
+    if layout is None:
+        return "(tensors unknown)"
+    listed = ", ".join(f"{t.name!r} ({t.numel})" for t in layout.tensors[:limit])
+    more = len(layout.tensors) - limit
+    return f"encoding tensors {listed}{f' and {more} more' if more > 0 else ''}"
 
 
 def _evaluate(msg: Message, context: Context, call_next: ClientAppCallable, state: ClientState, cfg) -> Message:
@@ -439,11 +492,12 @@ def _budgeted_reply(state, cfg, spec, link, delta, residual, codec_state, rest, 
     budget = links.upload_budget(link, download_seen, compute_s + reserve)
     budget_value = -1 if budget is None else int(budget)
     try:
-        result = budgeted_upload(
-            spec, delta, residual, link=link, download_bytes=download_seen, compute_s=compute_s + reserve,
-            build=build, nonce=nonce, round=server_round, state=codec_state, error_feedback=use_ef,
-            fallback=str(cfg.get(P.FALLBACK, "skip")),
-        )
+        with _encoding(spec, fedcomp.Layout.of(delta), passes=(fedcomp.SpecError,)):
+            result = budgeted_upload(
+                spec, delta, residual, link=link, download_bytes=download_seen, compute_s=compute_s + reserve,
+                build=build, nonce=nonce, round=server_round, state=codec_state, error_feedback=use_ef,
+                fallback=str(cfg.get(P.FALLBACK, "skip")),
+            )
     except fedcomp.SpecError as exc:  # a codec without a free parameter, a bad fallback
         raise ModError(f"fedcomp could not fit the upload to this node's byte budget: {exc}; use an upload "
                        f"codec with a budget knob (e.g. topk, kbit, powersgd) or remove the node's link") from exc

@@ -51,6 +51,16 @@ from fedcomp.layout import Layout
 from fedcomp.wire import HEADER, open_payload
 
 
+class BroadcastFailed(FedcompError):
+    """:meth:`ServerFeedback.step_broadcast` could not encode the step for the download (a codec
+    bug); ``step`` is the update it computed (the server state has moved by it already), to be
+    applied uncompressed."""
+
+    def __init__(self, message: str, step: dict[str, torch.Tensor]) -> None:
+        super().__init__(message)
+        self.step = step
+
+
 class ServerFeedback:
     """Sum clients' linear (sketched) uploads and apply heavy hitters of the server-side error.
 
@@ -241,8 +251,13 @@ class ServerFeedback:
         self.count, self.weight = 0, 0.0
         if broadcast is None:
             return out, None
-        encoded = broadcast.encode(out, nonce=nonce, round=round)
-        sent = broadcast.decode(encoded.payload, self.layout, round=round)
+        try:
+            encoded = broadcast.encode(out, nonce=nonce, round=round)
+            sent = broadcast.decode(encoded.payload, self.layout, round=round)
+        except Exception as exc:  # noqa: BLE001 - the step is computed (and the state moved): hand it on
+            raise BroadcastFailed(
+                f"the download codec {broadcast.spec!r} could not encode the server's step "
+                f"({type(exc).__name__}: {exc})", out) from exc
         for j, (seg, group) in enumerate(self._segments):  # the broadcast's loss stays in the error
             names = [self._sketch_layout.tensors[i].name for i in group]
             dropped = torch.cat([(out[n] - sent[n]).reshape(-1).float() for n in names])

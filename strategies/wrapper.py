@@ -56,7 +56,7 @@ from fedcomp import protocol as P
 from fedcomp.aggregate import Accumulator, NormGuard, apply_step
 from fedcomp.broadcast import Tier, parse_thresholds, parse_tiers, reference_crc
 from fedcomp.codec import derive_nonce
-from fedcomp.server_feedback import ServerFeedback
+from fedcomp.server_feedback import BroadcastFailed, ServerFeedback
 from fedcomp.msgsize import message_bytes
 from fedcomp.strategies.config import AUTO, DENSE_UPLOAD, CompressionConfig
 from fedcomp.strategies.replies import (MissingCompressionMod, NonFiniteModel, NoUsableReplies, ReplyHistory,
@@ -285,6 +285,7 @@ class CompressedStrategy(Strategy):
         self._sent: dict[int, list[int]] = {}  # round -> nodes sent a train message (to record who never replied)
         self._unattributed: dict[int, list[str]] = {}  # round -> reasons of errors from nodes not messaged
         self._failed_rounds: list[int] = []  # consecutive rounds without a usable reply
+        self._restarted: set[tuple[int, int]] = set()  # (tier, version): started from the model after a failed encode
         self._aggregated_rounds = 0
 
     def _use(self, config: CompressionConfig) -> None:
@@ -477,10 +478,24 @@ class CompressedStrategy(Strategy):
         self.upload = codec
 
     def _step_tier(self, tier: Tier, model: dict[str, torch.Tensor], version: int) -> int:
-        """Move a tier's reference to ``version`` (once: federated evaluation may have done it)."""
+        """Move a tier's reference to ``version`` (once: federated evaluation may have done it).
+
+        An encode that fails (a codec bug) costs this round's compression, not the run: the tier
+        restarts from the model itself, so its clients get the full model this round (logged with
+        the reason), and steps again from there next round."""
         if tier.version >= version and tier.history and tier.history[-1].round == version:
             return 0
-        tier.step(model, version, self.config.seed)
+        if (tier.index, version) in self._restarted:
+            return 0
+        try:
+            tier.step(model, version, self.config.seed)
+        except Exception as exc:  # noqa: BLE001 - contained: the run goes on with the full model
+            log(WARNING, "fedcomp: download tier %s could not encode its step to round %s with %r (%s: %s); its "
+                "clients get the full model this round", tier.index, version, tier.codec.spec, type(exc).__name__, exc)
+            tier.state = {}  # the codec state (warm start) may be half updated
+            tier.start(model, version)
+            self._restarted.add((tier.index, version))
+            return 0
         return 1
 
     def _holds(self, node: int, tier: Tier) -> tuple[int, int, int] | None:
@@ -568,8 +583,17 @@ class CompressedStrategy(Strategy):
                 log(WARNING, "fedcomp: tier 0's reference is not the global model in round %s; its step is encoded "
                     "apart this round", server_round)
             return apply_step(self._base, self.feedback.step())
-        sent, payload = self.feedback.step_broadcast(
-            tier.codec, nonce=derive_nonce(self.config.seed, server_round + 1, -1), round=server_round + 1)
+        try:
+            sent, payload = self.feedback.step_broadcast(
+                tier.codec, nonce=derive_nonce(self.config.seed, server_round + 1, -1), round=server_round + 1)
+        except BroadcastFailed as exc:  # the step applies uncompressed; tier 0 restarts from the model
+            log(WARNING, "fedcomp: round %s's coupled download step failed (%s); the step applies as computed and "
+                "tier 0's clients get the full model next round", server_round, exc)
+            model = apply_step(self._base, exc.step)
+            tier.state = {}
+            tier.start(model, server_round + 1)
+            self._restarted.add((tier.index, server_round + 1))
+            return model
         model = apply_step(self._base, sent)
         tier.append(model, server_round + 1, payload)
         return model

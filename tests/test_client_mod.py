@@ -180,3 +180,61 @@ def test_evaluate_and_wrapped_messages_do_not_warn(warnings_seen):
     compression_mod(evaluate, node_context(5), lambda m, c: Message(RecordDict({}), reply_to=m))
     run_round(_strategy(), tiny_model(), {1: node_context(1)}, 1)
     assert UNWRAPPED_WARNING not in warnings_seen
+
+
+# -- an unexpected exception while encoding: an error reply naming the codec and the tensor ---------
+def test_encode_failure_becomes_an_error_reply_naming_the_codec_and_the_tensor(monkeypatch):
+    from fedcomp.sparsifiers import TopK
+
+    def broken(self, x, seg, out, ctx):
+        raise IndexError("index 4096 is out of bounds for dimension 0 with size 4096")
+
+    monkeypatch.setattr(TopK, "reduce", broken)
+    strategy, model = _strategy(), tiny_model()
+    context = node_context(1)
+    reply = compression_mod(_message(strategy, model), context, shift_trainer(1, 1))
+    reason = _error(reply)
+    assert "topk(ratio=0.1," in reason and "qsgd(bits=4," in reason and "IndexError" in reason and "out of bounds" in reason
+    assert "'w'" in reason or "'b'" in reason, reason  # the segment the encode was at
+    assert "Traceback" not in reason
+    assert ClientState.load(context).reference is not None  # the broadcast was applied; the node can go on
+
+
+def test_encode_failure_without_segment_context_lists_the_layouts_tensors(monkeypatch):
+    import fedcomp
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(fedcomp, "compress", broken)
+    reason = _error(compression_mod(_message(_strategy(), tiny_model()), node_context(1), shift_trainer(1, 1)))
+    assert "RuntimeError: kernel failed" in reason and "topk(ratio=0.1," in reason
+    assert "'w' (3200)" in reason and "'b' (64)" in reason
+
+
+def test_server_records_the_encode_failure_and_aggregates_the_others(monkeypatch):
+    from fedcomp.sparsifiers import TopK
+
+    real = TopK.reduce
+
+    def broken_on_node_2(self, x, seg, out, ctx):
+        if broken_on_node_2.node == 2:
+            raise IndexError("boom")
+        return real(self, x, seg, out, ctx)
+
+    monkeypatch.setattr(TopK, "reduce", broken_on_node_2)
+    strategy, model = _strategy(), tiny_model()
+    contexts = {1: node_context(1), 2: node_context(2), 3: node_context(3)}
+
+    def app(node, server_round):
+        inner = shift_trainer(node, server_round)
+
+        def run(msg, context):
+            broken_on_node_2.node = node
+            return inner(msg, context)
+        return run
+
+    new, replies, _ = run_round(strategy, model, contexts, 1, app=app)
+    statuses = {c["node"]: c["status"] for c in strategy.rounds[1].clients}
+    assert statuses[1] == statuses[3] == "ok" and "could not encode" in statuses[2] and "IndexError" in statuses[2]
+    assert not torch.equal(new["w"], model["w"])
