@@ -153,9 +153,14 @@ def exact_topk_sampled(x: torch.Tensor | Pieces, k: int, gen: torch.Generator) -
     if k <= 0 or 4 * m >= n:
         return exact_topk(_full(x).abs(), k)
     runs = m // _SAMPLE_RUN
-    # ascending runs (the cut does not depend on the sample's order): gathered without a sort
+    # runs drawn with replacement, in ascending order: two equal starts repeat a run, and the
+    # positions are ascending (what Pieces.gather_sorted needs) only once sorted; the cut does not
+    # depend on the sample's order, so sorting changes nothing else
     starts = (torch.randint(n // _SAMPLE_RUN, (runs,), generator=gen) * _SAMPLE_RUN).sort().values
-    pos = (starts[:, None] + torch.arange(_SAMPLE_RUN)).reshape(-1).to(x.device)
+    pos = (starts[:, None] + torch.arange(_SAMPLE_RUN)).reshape(-1)
+    if runs > 1 and bool((starts[1:] == starts[:-1]).any()):
+        pos = pos.sort().values
+    pos = pos.to(x.device)
     sample = (torch.index_select(x, 0, pos) if isinstance(x, torch.Tensor) else x.gather_sorted(pos)).abs()
     r = min(sample.numel(), math.ceil(k * sample.numel() / n + _TOPK_MARGIN * math.sqrt(_TOPK_RANK)) + 1)
     thr = float(torch.topk(sample, r, sorted=False).values.min())
