@@ -1,0 +1,1 @@
+"""fedcomp quickstart: a cross-silo Flower app whose uploads are compressed."""

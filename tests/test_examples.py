@@ -1,0 +1,129 @@
+"""The apps under examples/ run as a user runs them: `flwr run examples/<app>` for a few rounds.
+
+Each test starts its own SuperLink (own ports, own FLWR_HOME) and stops it by PID, as
+tests/test_flower.py does. The deployment example starts its own SuperLink and SuperNodes
+(run_local.py) and stops them itself.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a process started in its own session, with everything it spawned (its process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def simulation_superlink(tmp_path):
+    """A local simulation SuperLink; yields a function setting its number of SuperNodes and the env."""
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    port = _free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "examples"\n\n[superlink.examples]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
+    with open(home / "superlink.log", "wb") as log:
+        proc = subprocess.Popen(
+            ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+             "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"flower-superlink exited: {(home / 'superlink.log').read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).is_success:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("flower-superlink did not answer within 60 s")
+            time.sleep(0.5)
+
+        def nodes(n: int) -> dict:
+            subprocess.run(["flwr", "federation", "simulation-config", "--num-supernodes", str(n)],
+                           env=env, check=True, capture_output=True, timeout=60)
+            return env
+        yield nodes
+    finally:
+        _stop(proc)
+
+
+def _flwr_run(env: dict, app: Path, run_config: str) -> str:
+    done = subprocess.run(["flwr", "run", str(app), "--stream", "--run-config", run_config],
+                          env=env, capture_output=True, text=True, timeout=400)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    return out
+
+
+def _summary(out: str, name: str) -> tuple[float, float]:
+    """(accuracy, upload compression) from the app's last line."""
+    m = re.search(rf"fedcomp {name}: accuracy ([0-9.]+) after \d+ rounds \| upload [0-9,]+ B \(([0-9.]+)x", out)
+    assert m, out[-4000:]
+    return float(m.group(1)), float(m.group(2))
+
+
+def test_quickstart(simulation_superlink):
+    env = simulation_superlink(3)
+    accuracy, ratio = _summary(_flwr_run(env, EXAMPLES / "quickstart", "num-server-rounds=4"), "quickstart")
+    assert accuracy > 0.5 and ratio > 20, (accuracy, ratio)
+
+
+def test_cross_device(simulation_superlink):
+    env = simulation_superlink(10)
+    out = _flwr_run(env, EXAMPLES / "cross-device", "num-server-rounds=6")
+    accuracy, ratio = _summary(out, "cross-device")
+    assert ratio > 20, ratio
+    assert accuracy > 0.15, accuracy  # it learns (chance: 0.1); 6 rounds of 2 nodes
+    # the seeded start holds: every broadcast is a chain, no node asked for a resync
+    m = re.search(r"broadcasts: (\d+) chains, (\d+) full models \| resyncs: (\d+)", out)
+    assert m and int(m.group(1)) > 0 and m.group(2) == "0" and m.group(3) == "0", out[-3000:]
+
+
+def test_deployment_over_tls_with_node_auth(tmp_path):
+    """run_local.py: certificates, a TLS SuperLink with SuperNode auth, registered SuperNodes,
+    `flwr run`, and everything it started stopped again."""
+    env = dict(os.environ, FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
+    done = subprocess.run([sys.executable, "run_local.py", "--supernodes", "2", "--rounds", "2",
+                           "--workdir", str(tmp_path)], cwd=EXAMPLES / "deployment", env=env,
+                          capture_output=True, text=True, timeout=500)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    accuracy, ratio = _summary(out, "deployment")
+    assert accuracy > 0.2 and ratio > 20, (accuracy, ratio)
+    assert "--enable-supernode-auth" in out and "flwr supernode register" in out
+    pids = [int(p) for p in re.findall(r"stopped \S+ \(pid (\d+)\)", out)]
+    assert len(pids) == 3 and not any(Path(f"/proc/{p}").exists() for p in pids), out[-2000:]
