@@ -73,6 +73,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def check_encode(codec, update: dict[str, torch.Tensor], nonce: int, rnd: int) -> None:
+    """Encode only: no exception, and the size ``size_bytes`` promised."""
+    enc = codec.encode(update, nonce=nonce, round=rnd, state={})
+    layout = fedcomp.Layout.of(update)
+    try:
+        size = codec.size_bytes(layout, enc.kept, enc.index_bytes, **({"round": rnd} if ";" in codec.spec else {}))
+    except ValueError:  # a policy rule whose size depends on the data
+        size = len(enc.payload)
+    assert size == len(enc.payload), f"{codec.spec}: size_bytes {size} != payload {len(enc.payload)}"
+
+
 def check_update(spec: str, update: dict[str, torch.Tensor], nonce: int, rnd: int,
                  modes: tuple[str, ...] = ("1", "0"), aggregate: bool = True) -> None:
     """Raise AssertionError (or the encoder's own exception) where ``spec`` breaks the contract
@@ -123,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", action="append", help="spec(s) to check (default: every registered codec's)")
     ap.add_argument("--kernels", choices=("both", "1", "0"), default="both")
     ap.add_argument("--no-aggregate", action="store_true", help="skip the accumulator check (faster)")
+    ap.add_argument("--encode-only", action="store_true",
+                    help="only encode and check the size (as a client does; with --kernels 1 or 0)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     modes = ("1", "0") if args.kernels == "both" else (args.kernels,)
@@ -130,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for spec in args.spec or all_specs():
         rng = random.Random(f"{args.seed}:{spec}")
+        codec = fedcomp.build_codec(spec)
         fails, first = 0, ""
         for i in range(args.updates):
             if args.layout:
@@ -138,8 +152,12 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 update = random_update(rng)
             try:
-                check_update(spec, update, nonce=rng.randrange(2**63), rnd=i % 4, modes=modes,
-                             aggregate=not args.no_aggregate)
+                if args.encode_only:
+                    with kernels(modes[0]):
+                        check_encode(codec, update, nonce=rng.randrange(2**63), rnd=i % 4)
+                else:
+                    check_update(spec, update, nonce=rng.randrange(2**63), rnd=i % 4, modes=modes,
+                                 aggregate=not args.no_aggregate)
             except Exception as exc:  # noqa: BLE001 (counted and reported)
                 fails += 1
                 first = first or f"{type(exc).__name__}: {str(exc)[:300]}"
