@@ -58,7 +58,7 @@ from fedcomp.broadcast import ResyncNeeded, apply_plan, parse_thresholds, refere
 from fedcomp.clients.budgeting import budgeted_upload
 from fedcomp.msgsize import message_bytes
 from fedcomp.clients.state import ClientState
-from fedcomp.wire import arena, output_like
+from fedcomp.wire import REPLY_TAG, REPLY_TOKEN, TOKEN_BITS, arena, output_like, reply_tag
 
 ENCODE_HISTORY = 5  # recent encode times kept; the budget reserves the longest of them (x ENCODE_MARGIN)
 ENCODE_MARGIN = 1.5
@@ -231,9 +231,11 @@ def _broadcast(cfg, evaluate: bool = False) -> tuple[fedcomp.Layout, fedcomp.Cod
                                     (P.TIER_KBPS, str, True),
                                     (P.DELTA, number, False), (P.DELTA_REF, int, False), (P.ACK_ROUND, int, False),
                                     (P.LINK_PROFILE, str, False), (P.DEADLINE, number, False), (P.FALLBACK, str, False),
-                                    (links.ESTIMATE, str, False)):
+                                    (links.ESTIMATE, str, False), (REPLY_TOKEN, int, False)):
             if (required or key in cfg) and not isinstance(cfg[key], kind):
                 raise TypeError(f"{key}={cfg[key]!r} is not of the type fedcomp sends")
+        if REPLY_TOKEN in cfg and not 0 <= cfg[REPLY_TOKEN] < 1 << TOKEN_BITS:
+            raise ValueError(f"{REPLY_TOKEN}={cfg[REPLY_TOKEN]} is not a token this server issues")
         if cfg[P.TIERS] < 1:
             raise ValueError(f"{P.TIERS}={cfg[P.TIERS]} is not a positive number of tiers")
         if cfg[P.TIER_KBPS]:
@@ -350,7 +352,7 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
             upload, delta, residual, nonce=nonce, error_feedback=use_ef, round=server_round, state=codec_state
         )
     _remember(state, cfg, encoded, new_residual, codec_state, server_round, use_ef, beta, last_sent)
-    rest[P.UPLOAD_RECORD] = ConfigRecord({P.PAYLOAD: encoded.payload, **record})
+    rest[P.UPLOAD_RECORD] = ConfigRecord({P.PAYLOAD: encoded.payload, **record, **_tagged(cfg, encoded.payload)})
     reply.content = rest
     return reply
 
@@ -435,6 +437,13 @@ def _evaluate(msg: Message, context: Context, call_next: ClientAppCallable, stat
     return reply
 
 
+def _tagged(cfg, payload: bytes) -> dict:
+    """``{REPLY_TAG: tag}`` binding the payload to the token the server sent with this message
+    (:func:`fedcomp.wire.reply_tag`); nothing for a server that sent none (older fedcomp)."""
+    token = cfg.get(REPLY_TOKEN)
+    return {} if token is None else {REPLY_TAG: reply_tag(payload, token)}
+
+
 def _return_unacknowledged(state: ClientState, cfg, residual, use_ef: bool):
     """Nothing lost: if the update sent last time never reached the aggregate (dropped as
     corrupt, late, or its reply lost), the server's ack says so and it goes back into the
@@ -485,7 +494,7 @@ def _budgeted_reply(state, cfg, spec, link, delta, residual, codec_state, rest, 
         # COMPUTE_S is a float (fixed 8 bytes on the wire): overwritten below at the same size
         content[P.UPLOAD_RECORD] = ConfigRecord({
             P.PAYLOAD: payload, **record, P.SPEC: used, P.LINK: link.describe(), P.BUDGET: budget_value,
-            P.COMPUTE_S: 0.0, P.DOWNLOAD_SEEN: download_seen,
+            P.COMPUTE_S: 0.0, P.DOWNLOAD_SEEN: download_seen, **_tagged(cfg, payload),
         })
         return content
 

@@ -590,3 +590,52 @@ class Reader:
     def finish(self) -> None:
         if self.remaining:
             raise DecodeError(f"payload has {self.remaining} unexpected trailing bytes")
+
+
+# -- replies bound to the message the server sent ------------------------------------------------
+# A server issues a random token with each message it sends (``REPLY_TOKEN`` in the download
+# record); the client's reply carries ``REPLY_TAG``, a keyed hash of that token and of the
+# payload's header and CRC trailer (the trailer checksums the body, which every decode checks).
+# A payload replayed from another round or node, or with its nonce rewritten and its CRC
+# recomputed, no longer matches the token the server issued for this (node, round): dropped.
+# The payload's bytes are unchanged (every format stays decodable; no copy, one hash of 36 bytes).
+REPLY_TOKEN = "reply-token"  # download record: the server's token for this message (int, 63 bits)
+REPLY_TAG = "reply-tag"  # upload record: REPLY_TAG_BYTES bytes, reply_tag(payload, token)
+REPLY_TAG_BYTES = 8
+TOKEN_BITS = 63  # a Flower ConfigRecord int is a signed 64-bit integer
+
+
+def reply_tag(payload: bytes, token: int) -> bytes:
+    """The tag binding ``payload`` to the server-issued ``token``: BLAKE2b (8 bytes) keyed by the
+    token, over the payload's header (magic, version, flags, fingerprints, nonce) and its CRC32
+    trailer. Raises :class:`DecodeError` for a payload too short to have both, or a token that
+    is not a non-negative integer below 2**63."""
+    import hashlib
+
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 1 << TOKEN_BITS:
+        raise DecodeError(f"reply token {token!r} is invalid: an integer in [0, 2**{TOKEN_BITS})")
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise DecodeError(f"payload must be bytes, got {type(payload).__name__}")
+    view = memoryview(payload).cast("B")
+    h = hashlib.blake2b(key=token.to_bytes(8, "little"), digest_size=REPLY_TAG_BYTES, person=b"fedcomp-reply")
+    if len(view) < OVERHEAD_BYTES:  # not a payload (a budget's size probe): all of it
+        h.update(view)
+    else:
+        h.update(view[:HEADER_BYTES])
+        h.update(view[-TRAILER_BYTES:])
+    return h.digest()
+
+
+def check_reply_tag(payload: bytes, tag, token: int) -> None:
+    """Raise :class:`DecodeError` unless ``tag`` is :func:`reply_tag` of ``payload`` and ``token``."""
+    import hmac
+
+    if tag is None:
+        raise DecodeError(f"reply has no {REPLY_TAG!r}, but the server issued a reply token: a client of an "
+                          f"older fedcomp, or a reply built without the server's message")
+    if not isinstance(tag, bytes) or len(tag) != REPLY_TAG_BYTES:
+        raise DecodeError(f"{REPLY_TAG!r} must be {REPLY_TAG_BYTES} bytes, got {type(tag).__name__} "
+                          f"of length {len(tag) if isinstance(tag, (bytes, str, list)) else '?'}")
+    if not hmac.compare_digest(reply_tag(payload, token), tag):
+        raise DecodeError(f"{REPLY_TAG!r} does not match the token the server issued with this message: the payload "
+                          f"was made for another message (replayed, or its header or checksum rewritten)")

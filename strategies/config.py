@@ -118,6 +118,7 @@ class CompressionConfig:
     norm_factor: float = 10.0  # drop updates longer than this x the round's median norm (0: off)
     norm_warmup: int = 3  # norms needed before the relative guard decides (earlier replies wait)
     max_weight: float = 0.0  # cap on a reply's weight (its example count; 0: only the hard limit 2**53)
+    weight_factor: float = 3.0  # clip a weight to this x the median weight (guards.RoundGuard; 0: trust declared weights)
     max_failed_rounds: int = 3  # stop the run after this many consecutive rounds with no usable reply
     download_tier_kbps: str = ""  # downlink kbps thresholds between tiers, ascending
     download_max_stale: int = 0  # optional cap on catch-up chains in steps (0: none, bounded by bytes)
@@ -172,6 +173,12 @@ class CompressionConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise fedcomp.SpecError(f"{name}={v!r} is invalid: it must be a positive integer")
         _number("max_weight", self.max_weight, 0, allowed="a finite float >= 0 (0: no cap below 2**53)")
+        _number("weight_factor", self.weight_factor, 0,
+                allowed="0 (trust declared weights) or a finite float >= 1: clip weights to weight_factor x the "
+                        "median weight")
+        if self.weight_factor and self.weight_factor < 1:
+            raise fedcomp.SpecError(f"weight_factor={self.weight_factor!r} is invalid: 0 (trust declared weights) or "
+                                    f">= 1 (the median weight itself must count in full)")
         tiers = parse_tiers(self.download)
         parse_thresholds(self.download_tier_kbps, len(tiers))
         links.check_profile(self.link_profile)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import secrets
 from collections.abc import Iterable
 from logging import INFO, WARNING
 
@@ -53,14 +54,16 @@ from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
 import fedcomp
 from fedcomp import links
 from fedcomp import protocol as P
-from fedcomp.aggregate import Accumulator, NormGuard, apply_step
+from fedcomp.aggregate import Accumulator, apply_step
 from fedcomp.broadcast import Tier, parse_thresholds, parse_tiers, reference_crc
 from fedcomp.codec import derive_nonce
 from fedcomp.server_feedback import BroadcastFailed, ServerFeedback
 from fedcomp.msgsize import message_bytes
+from fedcomp.wire import REPLY_TOKEN, TOKEN_BITS
 from fedcomp.strategies.config import AUTO, DENSE_UPLOAD, CompressionConfig
 from fedcomp.strategies.replies import (MissingCompressionMod, NonFiniteModel, NoUsableReplies, ReplyHistory,
                                         RoundReplies, summarize)
+from fedcomp.strategies.guards import GuardHistory, RoundGuard, StateGuard, upload_bound
 from fedcomp.strategies.streaming import StreamingGrid, can_stream, sparse_averse
 from fedcomp.tensor_kinds import COUNTER, STATISTIC, exact_state_policy, split_kinds
 
@@ -103,6 +106,7 @@ class RoundStats:
     evaluate_download_bytes_dense: int = 0  # the same messages with the model as plain arrays
     evaluate_reply_bytes: int = 0  # federated-evaluation replies as received
     evaluate_clients: list[dict] = dataclasses.field(default_factory=list)  # per evaluate message: node, mode, bytes
+    extra: list[dict] = dataclasses.field(default_factory=list)  # replies dropped as not answering a message sent
 
     @property
     def upload_ratio(self) -> float | None:
@@ -124,6 +128,7 @@ class _RoundState:
     arrays_key: str = ""
     seen: dict[int, Message] = dataclasses.field(default_factory=dict)  # replies already received, by identity
     errors: list[Message] = dataclasses.field(default_factory=list)  # error replies (collect mode hands them on)
+    replied: set[int] = dataclasses.field(default_factory=set)  # nodes whose reply was taken (one per message)
     unwrapped: int = 0  # replies without a fedcomp upload record
 
 
@@ -211,17 +216,24 @@ class CompressedStrategy(Strategy):
         norm divided by sqrt(rows) (each row of a count sketch preserves the norm in
         expectation). 0 turns it off. NaN and Inf updates are always dropped.
     norm_factor : float (default: 10.0)
-        Drop a reply whose update norm exceeds ``norm_factor`` times the lower median of the
-        round's valid update norms (so one absurd or hostile update, e.g. of norm 1e30, never
-        reaches the aggregate). The first ``norm_warmup`` replies of a round wait until that
-        many norms are known (a round with one reply is checked against ``max_update_norm``
-        only; with two, the smaller norm is the reference). 0 turns it off.
+        Drop a reply whose update norm exceeds ``norm_factor`` times a reference norm that a
+        minority cannot steer (:mod:`fedcomp.strategies.guards`): the lower median of the norms the
+        previous round accepted (decided at once); in a round without one (the first, or after a
+        round that aggregated nothing) the replies wait until a quorum (a majority of the messages
+        sent, at least ``norm_warmup``) is in, and the lower median of those is the reference. A
+        round ending with fewer replies decides with those it has. 0 turns it off.
     norm_warmup : int (default: 3)
-        Norms needed before the relative guard decides.
+        Accepted norms a round needs to be the next round's reference; the least quorum.
     max_weight : float (default: 0.0)
         Cap on a reply's weight (``num-examples`` or the inner strategy's ``weighted_by_key``).
         Weights must be finite numbers > 0 and at most 2**53 in any case; a reply failing this
         is dropped with the reason. 0: no cap below 2**53.
+    weight_factor : float (default: 3.0)
+        Clip a reply's weight to this many times the lower median of the reference weights: the
+        weights the previous round accepted, or (first round) those of a quorum of the round's
+        replies (:class:`fedcomp.strategies.guards.RoundGuard`), so a client declaring 1e12
+        examples weighs at most ``weight_factor`` median clients; logged per reply. 0 trusts
+        declared weights (for deployments that authenticate them).
     max_failed_rounds : int (default: 3)
         Stop the run (:class:`NoUsableReplies`, naming the clients' errors) after this many
         consecutive rounds in which no reply reached the aggregate.
@@ -286,6 +298,11 @@ class CompressedStrategy(Strategy):
         self._unattributed: dict[int, list[str]] = {}  # round -> reasons of errors from nodes not messaged
         self._failed_rounds: list[int] = []  # consecutive rounds without a usable reply
         self._restarted: set[tuple[int, int]] = set()  # (tier, version): started from the model after a failed encode
+        self._guard_history = GuardHistory()  # the norms and weights the last aggregated round accepted
+        self._tokens: dict[int, dict[int, int]] = {}  # round -> node -> reply token sent with its train message
+        self._previous_ack: dict[int, int] = {}  # node -> its ack before this round's (a reply revoked at the end)
+        self._bounds: dict[tuple, tuple[int, int]] = {}  # (upload spec, layout) -> (payload bytes, dense bytes) allowed
+        self._state_guard: StateGuard | None = None  # per layout: running statistics and integer buffers
         self._aggregated_rounds = 0
 
     def _use(self, config: CompressionConfig) -> None:
@@ -419,6 +436,7 @@ class CompressedStrategy(Strategy):
                 P.LINK_PROFILE: self.config.link_profile,
                 P.DEADLINE: self.config.round_deadline_s,
                 P.FALLBACK: self.config.budget_fallback,
+                REPLY_TOKEN: self._issue_token(server_round, node),
             })
             nbytes = message_bytes(content)
             stats.download_bytes += nbytes
@@ -432,11 +450,36 @@ class CompressedStrategy(Strategy):
             state.arrays_key, state.message_type = array_keys[0], msg.metadata.message_type
         return out
 
+    def _issue_token(self, server_round: int, node: int) -> int:
+        """A fresh random token for this node's train message (:data:`fedcomp.wire.REPLY_TOKEN`): its
+        reply must carry the tag binding its payload to it."""
+        tokens = self._tokens.setdefault(server_round, {})
+        tokens[node] = secrets.randbits(TOKEN_BITS)
+        return tokens[node]
+
+    def _upload_limit(self, record: dict) -> int | None:
+        """Payload bytes a reply may have: the configured upload's size on this model (its bound
+        where the size depends on the data), or the budget a client with a link reported, never more
+        than a dense payload (:func:`fedcomp.strategies.guards.upload_bound`)."""
+        if self._layout is None:
+            return None
+        key = (self.upload.spec, self._layout)
+        if key not in self._bounds:
+            self._bounds[key] = upload_bound(self.upload.spec, self._layout)
+        limit, dense = self._bounds[key]
+        budget = record.get(P.BUDGET)
+        if P.LINK in record and isinstance(budget, int) and not isinstance(budget, bool) and budget > limit:
+            limit = min(budget, dense)
+        return limit
+
     def _set_model(self, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
         model = dict(arrays.to_torch_state_dict())
         layout = fedcomp.Layout.of(model)
         if layout != self._layout:
             self._accumulator = None
+            self._guard_history.clear()  # norms of another model say nothing about this one's
+            guard = StateGuard(layout, Accumulator.offsets(layout))
+            self._state_guard = guard if guard.active else None
             self._exact_statistics(layout)
             if self.aggregation == "sketch":  # server-side error feedback: tables per segment of this layout
                 self.feedback = ServerFeedback(self.upload, layout, self.config.server_momentum)
@@ -545,6 +588,7 @@ class CompressedStrategy(Strategy):
         for msg in sorted((m for m in replies if id(m) not in state.seen), key=canonical_order):
             self._receive(server_round, msg)
         self._round_state = None
+        self._tokens.pop(server_round, None)
         stats = self.rounds.setdefault(server_round, RoundStats())
         replied = {c["node"] for c in stats.clients}
         missing = [node for node in self._sent.pop(server_round, []) if node not in replied]
@@ -671,18 +715,27 @@ class CompressedStrategy(Strategy):
             self._accumulator = Accumulator(self.upload, self._layout)
         else:
             self._accumulator.reset()
+        sent = len(self._sent.get(server_round, ()))
+        guard = RoundGuard(self.config.norm_factor, self.config.max_update_norm, self.config.norm_warmup,
+                           self.config.weight_factor, quorum=sent // 2 + 1, history=self._guard_history)
         return RoundReplies(
             round=server_round, mode=mode, layout=self._layout, base=self._base, accumulator=self._accumulator,
-            feedback=self.feedback, guard=NormGuard(self.config.norm_factor, self.config.norm_warmup,
-                                              self.config.max_update_norm),
+            feedback=self.feedback, guard=guard,
             config=self.config, upload=self.upload, weight_key=self._weight_key(), history=self._history,
-            on_accept=self._accepted(server_round), dense_model_bytes=self._dense_model_bytes)
+            on_accept=self._accepted(server_round), dense_model_bytes=self._dense_model_bytes,
+            tokens=self._tokens.setdefault(server_round, {}), upload_limit=self._upload_limit,
+            state_guard=self._state_guard, on_revoke=self._revoke)
 
     def _accepted(self, server_round: int):
         def note(node: int, entry: dict, dense_bytes: int) -> None:
+            self._previous_ack[node] = self._aggregated.get(node, 0)
             self._aggregated[node] = server_round  # acknowledged in its next broadcast
             self.rounds.setdefault(server_round, RoundStats()).upload_bytes_dense += dense_bytes
         return note
+
+    def _revoke(self, node: int) -> None:
+        """An accepted reply left out at the end of the round after all: not acknowledged."""
+        self._aggregated[node] = self._previous_ack.get(node, 0)
 
     def _receive(self, server_round: int, msg: Message) -> None:
         """Count one reply, note what it says about the client's reference and link, and hand it
@@ -694,15 +747,28 @@ class CompressedStrategy(Strategy):
         stats = self.rounds.setdefault(server_round, RoundStats())
         node = msg.metadata.src_node_id
         if msg.has_error():
+            if node in state.replied:
+                return  # one reply per node per message; an error after its reply changes nothing
             state.errors.append(msg)
             if node not in self._sent.get(server_round, (node,)):  # made by the SuperLink for a dead node
                 self._unattributed.setdefault(server_round, []).append(msg.error.reason)
                 return
+            state.replied.add(node)
             stats.clients.append({"node": node, "status": f"error: {msg.error.reason}"})
             return
         wire = message_bytes(msg.content)
         entry = {"node": node, "upload_bytes": wire, "status": "ok"}
         stats.upload_bytes += wire
+        sent = self._sent.get(server_round)
+        foreign = sent is not None and node not in sent
+        if foreign or node in state.replied:
+            reason = (f"node {node} was sent no train message in round {server_round}" if foreign else
+                      f"a second reply from node {node} in round {server_round} (one reply per node per message)")
+            entry["status"] = f"dropped: {reason}"
+            stats.extra.append(entry)
+            log(WARNING, "fedcomp: dropping reply of node %s in round %s: %s", node, server_round, reason)
+            return
+        state.replied.add(node)
         stats.clients.append(entry)
         record = msg.content.config_records.get(P.UPLOAD_RECORD)
         if record is None:
@@ -725,6 +791,11 @@ class CompressedStrategy(Strategy):
             entry["status"] = f"resync: {resync}"
             log(WARNING, "fedcomp: node %s asked for a full model in round %s: %s", node, server_round, resync)
             return
+        unknown = self._unknown_reference(msg.content)
+        if unknown is not None:  # it trained from a model this server never sent: its update is not one of ours
+            entry["status"] = f"dropped: {unknown}"
+            log(WARNING, "fedcomp: dropping reply of node %s in round %s: %s", node, server_round, unknown)
+            return
         if state.replies is None:
             entry["status"] = "dropped: reply arrived before any broadcast"
             return
@@ -734,8 +805,17 @@ class CompressedStrategy(Strategy):
         return getattr(self.inner, "weighted_by_key", "num-examples")
 
     def _aggregate_metrics(self, records: list[RecordDict]) -> MetricRecord | None:
+        """The inner strategy's metric aggregate of the aggregated replies' checked metrics (one
+        schema, weights as counted); a function that fails anyway costs the round's metrics only."""
         aggr = getattr(self.inner, "train_metrics_aggr_fn", None)
-        return aggr(records, self._weight_key()) if aggr is not None and records else None
+        if aggr is None or not records:
+            return None
+        try:
+            return aggr(records, self._weight_key())
+        except Exception as exc:  # noqa: BLE001 - the user's function: the model is aggregated already
+            log(WARNING, "fedcomp: the train metrics aggregation failed (%s: %s); this round has no train metrics",
+                type(exc).__name__, exc)
+            return None
 
     def _finish_mean(self, server_round: int, state: _RoundState) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The weighted mean model; strategies that step from it (FedAvgM, FedAdam...) get one
@@ -842,13 +922,32 @@ class CompressedStrategy(Strategy):
         except (KeyError, TypeError, ValueError):
             self._held.pop(node, None)
             return None
-        if 0 <= held[0] < len(self.tiers) and self.tiers[held[0]].verify(held[1], held[2]):
+        if self._known(held):
             self._held[node] = held
         else:
             self._held.pop(node, None)
             log(WARNING, "fedcomp: node %s reports a reference the server does not know %s; full model next time",
                 node, held)
         return None
+
+    def _known(self, held: tuple[int, int, int]) -> bool:
+        return 0 <= held[0] < len(self.tiers) and self.tiers[held[0]].verify(held[1], held[2])
+
+    def _unknown_reference(self, content: RecordDict) -> str | None:
+        """The reason to drop a train reply whose payload was built on a reference (tier, version,
+        CRC) the server never sent; None when the server knows it (or the reply reports none)."""
+        record = content.config_records.get(P.UPLOAD_RECORD)
+        if record is None or P.PAYLOAD not in record:
+            return None
+        try:
+            held = (int(record[P.TIER]), int(record[P.REF_VERSION]), int(record[P.REF_CRC]))
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return (f"reply reports no readable reference (tier, version, CRC): its update cannot be placed on a "
+                    f"model the server sent")
+        if self._known(held):
+            return None
+        return (f"reply was trained from a reference the server never sent (tier {held[0]}, version {held[1]}, CRC "
+                f"{held[2]:#010x}): a forged or corrupted broadcast; the node gets the full model next time")
 
     # -- federated evaluation: through the tiers' references, counted -------------------------------
     def configure_evaluate(
