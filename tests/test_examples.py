@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -23,6 +24,17 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 pytestmark = pytest.mark.slow
+
+# The commands the README and the examples' READMEs show, run here as written (in the app's folder);
+# tests/test_readme.py checks that every command of the README is run here, in .ci/run or by itself.
+RUNS = {
+    "quickstart": ("flwr federation simulation-config --num-supernodes 3",
+                   'flwr run . --stream --run-config "num-server-rounds=4"'),
+    "cross-device": ("flwr federation simulation-config --num-supernodes 10",
+                     'flwr run . --stream --run-config "num-server-rounds=6"'),
+}
+DEPLOYMENT = "python run_local.py --supernodes 2 --rounds 3"
+COMMANDS = [*(c for pair in RUNS.values() for c in pair), DEPLOYMENT, *(f"cd examples/{app}" for app in [*RUNS, "deployment"])]
 
 
 def _free_port() -> int:
@@ -72,18 +84,16 @@ def simulation_superlink(tmp_path):
                 pytest.fail("flower-superlink did not answer within 60 s")
             time.sleep(0.5)
 
-        def nodes(n: int) -> dict:
-            subprocess.run(["flwr", "federation", "simulation-config", "--num-supernodes", str(n)],
-                           env=env, check=True, capture_output=True, timeout=60)
+        def nodes(command: str) -> dict:
+            subprocess.run(shlex.split(command), env=env, check=True, capture_output=True, timeout=60)
             return env
         yield nodes
     finally:
         _stop(proc)
 
 
-def _flwr_run(env: dict, app: Path, run_config: str) -> str:
-    done = subprocess.run(["flwr", "run", str(app), "--stream", "--run-config", run_config],
-                          env=env, capture_output=True, text=True, timeout=400)
+def _flwr_run(env: dict, app: Path, command: str) -> str:
+    done = subprocess.run(shlex.split(command), cwd=app, env=env, capture_output=True, text=True, timeout=400)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     return out
@@ -97,14 +107,16 @@ def _summary(out: str, name: str) -> tuple[float, float]:
 
 
 def test_quickstart(simulation_superlink):
-    env = simulation_superlink(3)
-    accuracy, ratio = _summary(_flwr_run(env, EXAMPLES / "quickstart", "num-server-rounds=4"), "quickstart")
+    nodes, run = RUNS["quickstart"]
+    env = simulation_superlink(nodes)
+    accuracy, ratio = _summary(_flwr_run(env, EXAMPLES / "quickstart", run), "quickstart")
     assert accuracy > 0.5 and ratio > 20, (accuracy, ratio)
 
 
 def test_cross_device(simulation_superlink):
-    env = simulation_superlink(10)
-    out = _flwr_run(env, EXAMPLES / "cross-device", "num-server-rounds=6")
+    nodes, run = RUNS["cross-device"]
+    env = simulation_superlink(nodes)
+    out = _flwr_run(env, EXAMPLES / "cross-device", run)
     accuracy, ratio = _summary(out, "cross-device")
     assert ratio > 20, ratio
     assert accuracy > 0.15, accuracy  # it learns (chance: 0.1); 6 rounds of 2 nodes
@@ -117,8 +129,8 @@ def test_deployment_over_tls_with_node_auth(tmp_path):
     """run_local.py: certificates, a TLS SuperLink with SuperNode auth, registered SuperNodes,
     `flwr run`, and everything it started stopped again."""
     env = dict(os.environ, FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
-    done = subprocess.run([sys.executable, "run_local.py", "--supernodes", "2", "--rounds", "2",
-                           "--workdir", str(tmp_path)], cwd=EXAMPLES / "deployment", env=env,
+    cmd = [sys.executable, *shlex.split(DEPLOYMENT)[1:], "--workdir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=EXAMPLES / "deployment", env=env,
                           capture_output=True, text=True, timeout=500)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
