@@ -1,0 +1,1 @@
+"""pytorchexample: Flower's quickstart-pytorch app with fedcomp (offline data)."""
