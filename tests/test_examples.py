@@ -101,8 +101,9 @@ def _flwr_run(env: dict, app: Path, command: str) -> str:
 
 def _summary(out: str, name: str) -> tuple[float, float]:
     """(accuracy, upload compression) from the app's last line."""
-    m = re.search(rf"fedcomp {name}: accuracy ([0-9.]+) after \d+ rounds \| upload [0-9,]+ B \(([0-9.]+)x", out)
+    m = re.search(rf"fedcomp {name}: accuracy ([0-9.]+) after \d+ rounds \| upload [0-9,]+ B \(([0-9.]+)x.*", out)
     assert m, out[-4000:]
+    print(m.group(0))  # shown with pytest -s
     return float(m.group(1)), float(m.group(2))
 
 

@@ -1,5 +1,6 @@
 """ServerApp: a fraction of the nodes per round, first contact from the seeded round-0 model."""
 
+import random
 from collections import Counter
 
 from flwr.app import ArrayRecord, Context, MetricRecord
@@ -17,6 +18,7 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     seed = int(cfg["seed"])
+    random.seed(seed)  # Flower's strategies sample nodes with the process-global random: the seed fixes who trains
     strategy = CompressedStrategy(
         FedAvg(fraction_train=float(cfg["fraction-train"]), fraction_evaluate=0.0, min_train_nodes=1),
         upload=str(cfg["upload"]), download=str(cfg["download"]), seed=seed,
