@@ -54,7 +54,7 @@ from fedcomp import links
 from fedcomp import protocol as P
 from fedcomp.adapt import FAST_KBPS
 from fedcomp.base import add_residual
-from fedcomp.broadcast import ResyncNeeded, apply_plan, parse_thresholds, reference_crc, tier_for_kbps
+from fedcomp.broadcast import ResyncNeeded, apply_plan, model_step, parse_thresholds, reference_crc, tier_for_kbps
 from fedcomp.clients.budgeting import budgeted_upload
 from fedcomp.msgsize import message_bytes
 from fedcomp.clients.state import ClientState
@@ -316,7 +316,7 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
     with arena.fp32(trained[name].numel() for name in layout.names if trained[name].dtype == torch.float32):
         for name in layout.names:
             t = trained[name].to(device)
-            delta[name] = torch.sub(t, received[name].to(device), out=output_like(t))
+            delta[name] = model_step(t, received[name].to(device), out=output_like(t))
 
     use_ef = bool(cfg[P.ERROR_FEEDBACK])
     residual = _return_unacknowledged(state, cfg, state.residual if use_ef else None, use_ef)

@@ -94,6 +94,9 @@ class AggregateOverflow(AggregationError):
 
 # -- one way to move a reference by a step ------------------------------------------------------
 def _apply_one(r: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    if r.dtype == torch.bool:  # a bool tensor's step says which flags flip (model_step: XOR)
+        flip = torch.round(s.to(r.device, torch.float64)) != 0 if s.is_floating_point() else s.to(r.device, torch.bool)
+        return torch.logical_xor(r, flip)
     if not r.is_floating_point():
         if s.is_floating_point():  # a mean of integer tensors: rounded back to the integer dtype
             return torch.round(r.to(torch.float64) + s.to(r.device, torch.float64)).to(r.dtype)
@@ -112,13 +115,22 @@ def _apply_one(r: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def model_step(new: torch.Tensor, reference: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``new - reference`` for one tensor, in ``new``'s dtype: what :func:`apply_step` adds back.
+    Bool tensors have no subtraction: their step is the flags that flip (``new XOR reference``)."""
+    if new.dtype == torch.bool:
+        return torch.logical_xor(new, reference.to(new.device, torch.bool))
+    return torch.sub(new, reference, out=out)
+
+
 def apply_step(reference: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``reference + step`` in the reference's dtypes, computed the same way everywhere.
 
     Floats add in ``promote(reference dtype, step dtype, fp32)`` (fp32 for fp32/fp16/bf16
     models and fp32 steps, float64 for float64 models or float64 steps such as a mean) and are
     rounded once to the reference's dtype; integer tensors add exactly (a floating step, i.e. a
-    mean, is rounded to the nearest integer). Broadcast references, client models and the
+    mean, is rounded to the nearest integer); bool tensors flip where the step is nonzero (a
+    mean of flips: where most clients flipped). Broadcast references, client models and the
     server's aggregate all move through this function, so both sides of a broadcast get the
     same bits (on the same device type). Large tensors go in chunks of ``CHUNK`` elements.
     """

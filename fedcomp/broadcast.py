@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedcomp.aggregate import apply_step  # noqa: F401  (re-exported: the one way to apply a step)
+from fedcomp.aggregate import apply_step, model_step  # noqa: F401  (re-exported: the one way to apply a step)
 from fedcomp.codec import Codec, derive_nonce
 from fedcomp.errors import FedcompError, SpecError
 from fedcomp.layout import Layout
@@ -204,7 +204,8 @@ class Tier:
         diff = {}
         for name, r in self.reference.items():
             g = model[name].detach().cpu()
-            diff[name] = (g.to(_wide(r.dtype)) - r.to(_wide(r.dtype))).to(r.dtype) if r.is_floating_point() else g - r
+            diff[name] = (g.to(_wide(r.dtype)) - r.to(_wide(r.dtype))).to(r.dtype) if r.is_floating_point() \
+                else model_step(g, r)
         encoded = self.codec.encode(diff, nonce=derive_nonce(seed, server_round, -1 - self.index),
                                     round=server_round, state=self.state)
         self.encodes += 1

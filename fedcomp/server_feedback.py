@@ -235,12 +235,14 @@ class ServerFeedback:
         else:
             sums = [torch.zeros(e.numel(), dtype=torch.float64) for e in self._error]
             sums.append(torch.zeros(sum(t.numel for t in self._exact), dtype=torch.float64))
+        deltas = []
         for j, ((seg, group), s_j) in enumerate(zip(self._segments, sums)):
             delta = sketch_step(reducer, self._velocity[j], self._error[j], s_j.float(), self.momentum, seg.numel)
+            deltas.append(delta)
             offset = 0
             for i in group:
                 spec = self._sketch_layout.tensors[i]
-                out[spec.name] = delta[offset:offset + spec.numel].view(spec.shape).to(spec.torch_dtype)
+                out[spec.name] = _to_dtype(delta[offset:offset + spec.numel].view(spec.shape), spec.torch_dtype)
                 offset += spec.numel
         offset, mean = 0, sums[-1]
         for spec in self._exact:  # the plain weighted mean of the clients' deltas
@@ -258,11 +260,21 @@ class ServerFeedback:
             raise BroadcastFailed(
                 f"the download codec {broadcast.spec!r} could not encode the server's step "
                 f"({type(exc).__name__}: {exc})", out) from exc
-        for j, (seg, group) in enumerate(self._segments):  # the broadcast's loss stays in the error
+        for j, (seg, group) in enumerate(self._segments):  # the broadcast's loss stays in the error,
+            # and so does what the model's dtype could not hold (fp16 rounding, values past its range)
             names = [self._sketch_layout.tensors[i].name for i in group]
-            dropped = torch.cat([(out[n] - sent[n]).reshape(-1).float() for n in names])
+            dropped = deltas[j] - torch.cat([sent[n].reshape(-1).float() for n in names])
             self._error[j].add_(reducer.sketch(dropped))
         return sent, encoded.payload
+
+
+def _to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (fp32) in ``dtype``, saturated at its largest finite values (an fp16 tensor's step
+    past 65,504 would be inf, and its broadcast NaN); the caller keeps the difference."""
+    if dtype == x.dtype:
+        return x
+    big = torch.finfo(dtype).max
+    return x.clamp(-big, big).to(dtype) if big < torch.finfo(x.dtype).max else x.to(dtype)
 
 
 def _split(codec, layout: Layout):

@@ -70,3 +70,61 @@ def test_random_updates_match_the_hypothesis_draws():
         seen.add(any(t.numel() == 0 for t in u.values()))
         seen.add(max(t.numel() for t in u.values()) > 25_600)
     assert seen == {True, False}
+
+
+# -- the server's side over the same layouts: FetchSGD's step with its coupled download, tiers ----
+from fedcomp.aggregate import apply_step  # noqa: E402
+from fedcomp.broadcast import Tier, apply_plan, reference_crc  # noqa: E402
+from fedcomp.server_feedback import ServerFeedback  # noqa: E402
+from fedcomp.tensor_kinds import exact_state_policy  # noqa: E402
+
+SERVER_SPECS = ("sketch(rows=1,cols=0,ratio=0.02)+qsgd(bits=4)", "sketch(rows=3,cols=64,ratio=0.1)")
+TIER_SPECS = ("topk(ratio=0.02)+kbit(bits=4,stochastic=true)", "kbit(bits=8)", "powersgd(rank=1)", "none()")
+
+
+@pytest.mark.parametrize("spec", SERVER_SPECS)
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_sketch_step_and_coupled_download_on_arbitrary_layouts(spec, data):
+    draw = _HypothesisDraw(data)
+    model = draw_update(draw)
+    layout = fedcomp.Layout.of(model)
+    upload = fedcomp.build_codec(exact_state_policy(spec, layout))
+    download = fedcomp.build_codec(exact_state_policy("topk(ratio=0.02)+kbit(bits=4,stochastic=true)", layout))
+    server = ServerFeedback(upload, layout, momentum=0.9)
+    for rnd in (1, 2):
+        for client in range(3):
+            update = {n: (t * (client + 1) if t.is_floating_point() else t) for n, t in model.items()}
+            server.add(upload.encode(update, nonce=client, round=rnd, state={}).payload, weight=1.0 + client)
+        step, payload = server.step_broadcast(download, nonce=rnd, round=rnd)
+        sent = download.decode(payload, layout, round=rnd)
+        for name, t in step.items():
+            assert t.shape == model[name].shape and t.dtype == model[name].dtype, name
+            assert torch.equal(t, sent[name]), f"{spec}: {name}: the server applies other values than it sends"
+            if t.is_floating_point():
+                assert bool(torch.isfinite(t).all()), name
+
+
+@pytest.mark.parametrize("spec", TIER_SPECS)
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_download_tier_chain_on_arbitrary_layouts(spec, data):
+    draw = _HypothesisDraw(data)
+    start = draw_update(draw)
+    layout = fedcomp.Layout.of(start)
+    tier = Tier(0, spec)
+    tier.start(start)
+    model, steps = dict(start), []
+    for rnd in (1, 2, 3):
+        noise = lambda t: torch.randn(t.shape, generator=torch.Generator().manual_seed(rnd)).to(t.dtype)  # noqa: E731
+        model = {n: t + noise(t) * 0.01 if t.is_floating_point() else (t if t.dtype == torch.bool else t + 1)
+                 for n, t in model.items()}
+        steps.append(tier.step(model, rnd, seed=7))
+    held = {n: t.clone() for n, t in start.items()}
+    reference, info = apply_plan(held, (0, 0, reference_crc(held)), mode="chain", tier=0, spec=spec,
+                                 payloads=[s.payload for s in steps], rounds=[1, 2, 3],
+                                 base_crc=steps[0].base_crc, crc=steps[-1].crc, layout=layout)
+    assert info == (0, 3, tier.crc) and reference_crc(reference) == reference_crc(tier.reference)
+    assert apply_step(start, {n: torch.zeros_like(t) for n, t in start.items()}).keys() == start.keys()
