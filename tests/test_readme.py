@@ -123,6 +123,12 @@ def test_spec_parses(spec):
     assert codec.spec
 
 
+def test_codec_table_names_every_registered_codec():
+    table = "\n".join(line for line in README.splitlines() if line.startswith("| `"))
+    missing = [name for name in fedcomp.available_codecs() if f"`{name}(" not in table and f"+{name}(" not in table]
+    assert not missing, f"the README's codec table lacks {missing}"
+
+
 def test_regime_table_states_the_code_defaults():
     from fedcomp.strategies import config
 
