@@ -118,7 +118,7 @@ class CompressionConfig:
     norm_factor: float = 10.0  # drop updates longer than this x the round's median norm (0: off)
     norm_warmup: int = 3  # norms needed before the relative guard decides (earlier replies wait)
     max_weight: float = 0.0  # cap on a reply's weight (its example count; 0: only the hard limit 2**53)
-    weight_factor: float = 3.0  # clip a weight to this x the median weight (guards.RoundGuard; 0: trust declared weights)
+    weight_factor: float = 2.0  # clip a weight to this x the median weight (guards.RoundGuard; 0: trust declared weights)
     max_failed_rounds: int = 3  # stop the run after this many consecutive rounds with no usable reply
     download_tier_kbps: str = ""  # downlink kbps thresholds between tiers, ascending
     download_max_stale: int = 0  # optional cap on catch-up chains in steps (0: none, bounded by bytes)

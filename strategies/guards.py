@@ -137,20 +137,41 @@ class RoundGuard:
         return (f"update norm {norm:.4g} exceeds {self.norm_factor:g} x the median norm {self._norm_reference():.4g} "
                 f"({where}; norm_factor, 0 turns this guard off)")
 
-    def weight(self, declared: float) -> tuple[float, str | None]:
-        """The weight a reply counts with, and the reason where it was clipped (None: as declared)."""
+    def weight(self, declared: float, norm: float = 0.0) -> tuple[float, str | None, bool]:
+        """The weight a reply counts with; the reason where it is less than declared (None: as
+        declared); and whether the declared weight itself was above the cap (a claim no honest
+        majority makes; the rest is influence: a long update at a large weight).
+
+        Two bounds, both against the reference (the last round's accepted replies, or the quorum):
+        the weight at most ``weight_factor`` x the lower median weight, and the reply's influence,
+        weight x update norm, at most ``weight_factor**2`` x the median weight x the median norm, so
+        that no reply moves the mean further than ``weight_factor**2`` typical replies together
+        (an honest client with ``weight_factor`` x the median's data, and so about as many local
+        steps, reaches it)."""
         if not self.weight_factor:
-            return declared, None
-        source = self.history.weights if self._reference else self.weights
-        if not source:
-            return declared, None
-        median = statistics.median_low(source)
+            return declared, None, False
+        weights = self.history.weights if self._reference else self.weights
+        if not weights:
+            return declared, None, False
+        median = statistics.median_low(weights)
         cap = self.weight_factor * median
-        if declared <= cap:
-            return declared, None
-        where = "last round's accepted weights" if self._reference else "this round's first weights"
-        return cap, (f"weight {declared:g} clipped to weight_factor={self.weight_factor:g} x the lower median of "
-                     f"{where} ({median:g}) = {cap:g} (weight_factor=0 trusts declared weights)")
+        where = "last round's accepted replies" if self._reference else "this round's first replies"
+        weight, reasons, over = declared, [], declared > cap
+        if over:
+            weight = cap
+            reasons.append(f"weight {declared:g} clipped to weight_factor={self.weight_factor:g} x the lower median "
+                           f"weight of {where} ({median:g}) = {cap:g}")
+        ref = self._norm_reference()
+        influence = self.weight_factor * cap * ref  # weight_factor**2 typical replies' weight x norm
+        if ref > 0 and norm > 0 and weight * norm > influence:
+            limited = influence / norm
+            reasons.append(f"weight {weight:g} x update norm {norm:.4g} limited to weight_factor**2 = "
+                           f"{self.weight_factor ** 2:g} x the median weight x the median norm of {where} "
+                           f"({median:g} x {ref:.4g}): counted as {limited:.4g}")
+            weight = limited
+        if not reasons:
+            return declared, None, False
+        return weight, "; ".join(reasons) + " (weight_factor=0 trusts declared weights)", over
 
     def accept(self, norm: float, weight: float) -> None:
         self.accepted_norms.append(norm)

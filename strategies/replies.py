@@ -30,7 +30,7 @@ aggregate (logged).
 
 from __future__ import annotations
 
-from logging import WARNING
+from logging import INFO, WARNING
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -202,7 +202,7 @@ class RoundReplies:
         if not accept:
             self._drop(valid.entry, self.guard.reason(valid.norm), valid.node)
             return
-        weight, clipped = self.guard.weight(valid.weight)
+        weight, clipped, claimed = self.guard.weight(valid.weight, valid.norm)
         name, metrics, schema = valid.metrics
         checked = RecordDict({name: MetricRecord({**metrics, self.weight_key: _as_metric(weight, metrics[self.weight_key])})})
         try:
@@ -211,9 +211,9 @@ class RoundReplies:
             self._drop(valid.entry, str(exc), valid.node)
             return
         valid.entry["status"] = "ok"
-        if clipped is not None:
+        if clipped is not None:  # a weight above the cap is a claim: warned; influence alone: noted
             valid.entry["weight"] = clipped
-            log(WARNING, "fedcomp: node %s in round %s: %s", valid.node, self.round, clipped)
+            log(WARNING if claimed else INFO, "fedcomp: node %s in round %s: %s", valid.node, self.round, clipped)
         self.guard.accept(valid.norm, weight)
         self.schemas.append(schema)
         self.accepted.append((valid.node, valid.entry))

@@ -228,12 +228,14 @@ class CompressedStrategy(Strategy):
         Cap on a reply's weight (``num-examples`` or the inner strategy's ``weighted_by_key``).
         Weights must be finite numbers > 0 and at most 2**53 in any case; a reply failing this
         is dropped with the reason. 0: no cap below 2**53.
-    weight_factor : float (default: 3.0)
+    weight_factor : float (default: 2.0)
         Clip a reply's weight to this many times the lower median of the reference weights: the
         weights the previous round accepted, or (first round) those of a quorum of the round's
         replies (:class:`fedcomp.strategies.guards.RoundGuard`), so a client declaring 1e12
-        examples weighs at most ``weight_factor`` median clients; logged per reply. 0 trusts
-        declared weights (for deployments that authenticate them).
+        examples weighs at most ``weight_factor`` median clients; logged per reply (digits, 10
+        clients, two declaring 1e12, 5 rounds: 66.1% at 2, 62.8% at 3, 36.4% trusted; 65.8%
+        with the two dropped). Honest clients above it count at the cap: raise it where partitions
+        are that uneven. 0 trusts declared weights (for deployments that authenticate them).
     max_failed_rounds : int (default: 3)
         Stop the run (:class:`NoUsableReplies`, naming the clients' errors) after this many
         consecutive rounds in which no reply reached the aggregate.
