@@ -56,7 +56,8 @@ from fedcomp.base import Selector
 from fedcomp.codec import Codec
 from fedcomp.errors import DecodeError, FedcompError
 from fedcomp.sparsifiers import reads_ascending
-from fedcomp.wire import MMAPPED, host_empty, host_zeros
+from fedcomp.steps import APPLY_CHUNK, _apply_one, apply_step, model_step  # noqa: F401  (re-exported)
+from fedcomp.wire import host_zeros
 
 CHUNK = 1 << 20  # elements per step of chunked loops: temporaries of 8 MB at most
 BATCH = 8  # replies whose fused adds share one pass over the float64 sum (Accumulator(batch=...))
@@ -72,7 +73,6 @@ SUM_CHUNK = 1 << 18  # elements of the sum per step of that pass (2 MB of float6
 # (alternating in one process, 2026-11-26 13:30-13:35 UTC); sparse replies measured slower so
 # (random-k 1.99x -> 2.12x) and keep SUM_CHUNK
 RUN_SUM_CHUNK = 1 << 16
-APPLY_CHUNK = 1 << 18  # elements per step of apply_step (three wide temporaries each: 5 MB)
 MAX_WEIGHT = float(2**53)  # largest weight accepted at all: beyond it counts are not exact in float64
 
 
@@ -90,51 +90,6 @@ class UpdateRejected(AggregationError):
 
 class AggregateOverflow(AggregationError):
     """The aggregate does not fit the model's dtype (it would be inf): refused, never returned."""
-
-
-# -- one way to move a reference by a step ------------------------------------------------------
-def _apply_one(r: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    if r.dtype == torch.bool:  # a bool tensor's step says which flags flip (model_step: XOR)
-        flip = torch.round(s.to(r.device, torch.float64)) != 0 if s.is_floating_point() else s.to(r.device, torch.bool)
-        return torch.logical_xor(r, flip)
-    if not r.is_floating_point():
-        if s.is_floating_point():  # a mean of integer tensors: rounded back to the integer dtype
-            return torch.round(r.to(torch.float64) + s.to(r.device, torch.float64)).to(r.dtype)
-        return r + s.to(r.device, r.dtype)
-    wide = torch.promote_types(torch.promote_types(r.dtype, s.dtype if s.is_floating_point() else r.dtype),
-                               torch.float32)
-    if r.numel() <= APPLY_CHUNK:
-        return (r.to(wide) + s.to(r.device, wide)).to(r.dtype)
-    # on the CPU in huge pages (a fresh 100 MB torch tensor faults 25,600 4 kB pages, ~2 read passes)
-    out = host_empty(r.numel(), r.dtype, MMAPPED).view(r.shape) if r.device.type == "cpu" \
-        else torch.empty_like(r, memory_format=torch.contiguous_format)
-    rf, sf, of = r.reshape(-1), s.reshape(-1), out.view(-1)
-    for i in range(0, rf.numel(), APPLY_CHUNK):  # elementwise: the same bits in any chunks
-        j = i + APPLY_CHUNK
-        of[i:j] = (rf[i:j].to(wide) + sf[i:j].to(r.device, wide)).to(r.dtype)
-    return out
-
-
-def model_step(new: torch.Tensor, reference: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``new - reference`` for one tensor, in ``new``'s dtype: what :func:`apply_step` adds back.
-    Bool tensors have no subtraction: their step is the flags that flip (``new XOR reference``)."""
-    if new.dtype == torch.bool:
-        return torch.logical_xor(new, reference.to(new.device, torch.bool))
-    return torch.sub(new, reference, out=out)
-
-
-def apply_step(reference: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``reference + step`` in the reference's dtypes, computed the same way everywhere.
-
-    Floats add in ``promote(reference dtype, step dtype, fp32)`` (fp32 for fp32/fp16/bf16
-    models and fp32 steps, float64 for float64 models or float64 steps such as a mean) and are
-    rounded once to the reference's dtype; integer tensors add exactly (a floating step, i.e. a
-    mean, is rounded to the nearest integer); bool tensors flip where the step is nonzero (a
-    mean of flips: where most clients flipped). Broadcast references, client models and the
-    server's aggregate all move through this function, so both sides of a broadcast get the
-    same bits (on the same device type). Large tensors go in chunks of ``CHUNK`` elements.
-    """
-    return {name: _apply_one(r, step[name]) for name, r in reference.items()}
 
 
 def _chunks(t: torch.Tensor):

@@ -51,11 +51,11 @@ from dataclasses import dataclass
 
 import torch
 
-from fedcomp.aggregate import apply_step, model_step  # noqa: F401  (re-exported: the one way to apply a step)
 from fedcomp.codec import Codec, derive_nonce
 from fedcomp.errors import FedcompError, SpecError
 from fedcomp.layout import Layout
 from fedcomp.policy import build_codec
+from fedcomp.steps import apply_step, model_step  # noqa: F401  (re-exported: the one way to apply a step)
 from fedcomp.wire import OVERHEAD_BYTES, Writer, crc32, open_payload
 
 FULL_FINGERPRINT = zlib.crc32(b"fedcomp.broadcast.full")  # the codec field of full-reference payloads
