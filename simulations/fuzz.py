@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import random
 import struct
 import sys
 import zlib
@@ -37,6 +38,7 @@ import torch
 
 import fedcomp
 from fedcomp.base import REGISTRY, example_specs
+from fedcomp.simulations.layouts import random_update
 from fedcomp.spec import parse_spec
 from fedcomp.policy import PolicyCodec
 from fedcomp.wire import HEADER_BYTES
@@ -103,6 +105,11 @@ class Target:
     layout: fedcomp.Layout
     payload: bytes
     round: int
+    name: str = ""  # the spec, or "spec @ layout j" for a drawn layout's target
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", self.spec)
 
 
 def build_targets(specs: tuple[str, ...] | None = None) -> list[Target]:
@@ -116,6 +123,22 @@ def build_targets(specs: tuple[str, ...] | None = None) -> list[Target]:
         rnd = 1 + i % 3
         enc = codec.encode(update, nonce=fedcomp.derive_nonce(7, rnd, i), round=rnd, state={})
         out.append(Target(spec, codec, layout, enc.payload, rnd))
+    return out
+
+
+def build_layout_targets(specs: tuple[str, ...] | None = None, per_spec: int = 2, seed: int = 0) -> list[Target]:
+    """``per_spec`` targets per spec on layouts drawn as the property tests draw them
+    (:mod:`fedcomp.simulations.layouts`: sizes off every block width, 0-d and empty tensors, many
+    tiny tensors, mixed dtypes, a large tensor among small ones, fixed models)."""
+    specs = all_specs() if specs is None else specs
+    out = []
+    for i, spec in enumerate(specs):
+        codec = fedcomp.build_codec(spec)
+        for j in range(per_spec):
+            update = random_update(random.Random(f"{seed}:{spec}:{j}"))
+            rnd = 1 + (i + j) % 3
+            enc = codec.encode(update, nonce=fedcomp.derive_nonce(seed, rnd, i), round=rnd, state={})
+            out.append(Target(spec, codec, fedcomp.Layout.of(update), enc.payload, rnd, f"{spec} @ layout {j}"))
     return out
 
 
@@ -314,8 +337,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", action="append", help="spec(s) to fuzz (default: all_specs())")
     args, rest = parser.parse_known_args(argv)
-    targets = build_targets(tuple(args.target) if args.target else None)
-    counts = {t.spec: [0, 0] for t in targets}
+    specs = tuple(args.target) if args.target else None
+    targets = build_targets(specs) + build_layout_targets(specs)
+    counts = {t.name: [0, 0] for t in targets}
     runs = next((int(a.split("=", 1)[1]) for a in rest if a.startswith("-runs=")), 0)
     every = max(1, min(runs or 100_000, 100_000))
 
@@ -330,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         target = targets[fdp.ConsumeIntInRange(0, len(targets) - 1)]
         data = mutate(target.payload, _AtherisDraw(fdp), is_nested(target))
         result = check(target, data)
-        counts[target.spec][result == "ok"] += 1
+        counts[target.name][result == "ok"] += 1
         total = sum(a + b for a, b in counts.values())
         if total % every == 0 or total == runs:
             report()

@@ -423,3 +423,15 @@ def test_layouts_of_recent_tensors_are_one_object_and_any_change_a_new_one():
         assert fedcomp.Layout.of({"w": torch.zeros(n + 1)}).tensors[0].shape == (n + 1,)
     with pytest.raises(fedcomp.SpecError, match="complex64"):
         fedcomp.Layout.of({"z": torch.zeros(2, dtype=torch.complex64)})
+
+
+LAYOUT_TARGETS = fuzz.build_layout_targets(per_spec=2)
+
+
+@pytest.mark.parametrize("target", LAYOUT_TARGETS, ids=[t.name for t in LAYOUT_TARGETS])
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_mutated_payloads_on_drawn_layouts_raise_only_decode_errors(target, data):
+    """Layouts with sizes off every block width, 0-d / empty / many tiny tensors, mixed dtypes."""
+    assert fuzz.check(target, target.payload) == "ok"
+    fuzz.check(target, fuzz.mutate(target.payload, _HypothesisDraw(data), fuzz.is_nested(target)))
