@@ -8,20 +8,21 @@ round or the run:
 - **Relative norm bound** (:class:`RoundGuard`): an update longer than ``norm_factor`` x the
   reference norm is dropped. The reference is the lower median of the norms the previous round
   accepted (replies decided at once, streaming unchanged); with no such round (the first round,
-  after a round that aggregated nothing) the replies are held until a quorum, a majority of the
-  messages sent, has arrived, then decided against the lower median of those. Colluders replying
-  first set neither: they are a minority of the previous round's accepted replies and of any
-  quorum.
+  after a round that aggregated nothing) the replies are held until every message sent has its
+  reply (or the round ends), then decided against the lower median of all of them: a set, not an
+  arrival order, so a streamed round aggregates what a batch one does. Colluders replying first set
+  neither reference: they are a minority of the last round's accepted replies and of this round's.
 - **Weights** (:meth:`RoundGuard.weight`): a reply's weight (``num-examples``) is clipped to
-  ``weight_factor`` x the lower median of the reference weights (the previous round's, or the
-  quorum's), so one client declaring 1e12 examples weighs at most a few honest ones. Users who
-  authenticate declared weights set ``weight_factor=0`` (trust them).
+  ``weight_factor`` x the lower median of the reference weights, and its influence (weight x
+  update norm) to ``weight_factor**2`` x the median weight x the median norm, so one client
+  declaring 1e12 examples, or a long update at a large weight, moves the mean no further than a
+  few typical replies. Users who authenticate declared weights set ``weight_factor=0`` (trust them).
 - **Metrics** (:func:`check_metrics`): exactly one MetricRecord, holding the weight key (Flower's
   strategies read it there), names that are short strings, values that are finite numbers or short
   lists of them. At the end of a round, replies whose metric names or kinds differ from the
   majority's are left out of the metric aggregate (logged), so the inner strategy's metric
   function never sees a mix it cannot add.
-- **Model state that is not a weight** (:func:`check_state`): before an update reaches the sum,
+- **Model state that is not a weight** (:class:`StateGuard`): before an update reaches the sum,
   ``running_var`` of ``base + update`` must stay >= 0, counters (``num_batches_tracked``) may not
   go down, and every integer buffer moves by at most ``MAX_INTEGER_STEP``. The mean of such
   replies keeps them sane, so :class:`NonFiniteModel` stays a last resort.
@@ -74,8 +75,9 @@ class GuardHistory:
 class RoundGuard:
     """One round's norm and weight decisions (see module docstring).
 
-    ``quorum``: replies held before deciding when the history has no reference (at least
-    ``warmup``); ``offer`` returns None while held. ``max_norm`` is absolute and always decides at once.
+    ``quorum``: replies held before deciding when the history has no reference (the messages sent;
+    at least ``warmup``); ``offer`` returns None while held. ``max_norm`` is absolute and always
+    decides at once.
     """
 
     norm_factor: float
@@ -163,7 +165,7 @@ class RoundGuard:
                            f"weight of {where} ({median:g}) = {cap:g}")
         ref = self._norm_reference()
         influence = self.weight_factor * cap * ref  # weight_factor**2 typical replies' weight x norm
-        if ref > 0 and norm > 0 and weight * norm > influence:
+        if self.norm_factor and ref > 0 and norm > 0 and weight * norm > influence:  # (norm guard off: no bound)
             limited = influence / norm
             reasons.append(f"weight {weight:g} x update norm {norm:.4g} limited to weight_factor**2 = "
                            f"{self.weight_factor ** 2:g} x the median weight x the median norm of {where} "

@@ -219,9 +219,9 @@ class CompressedStrategy(Strategy):
         Drop a reply whose update norm exceeds ``norm_factor`` times a reference norm that a
         minority cannot steer (:mod:`fedcomp.strategies.guards`): the lower median of the norms the
         previous round accepted (decided at once); in a round without one (the first, or after a
-        round that aggregated nothing) the replies wait until a quorum (a majority of the messages
-        sent, at least ``norm_warmup``) is in, and the lower median of those is the reference. A
-        round ending with fewer replies decides with those it has. 0 turns it off.
+        round that aggregated nothing) the replies wait until every message sent has its reply, or
+        the round ends, and the lower median of their norms is the reference (a set, not an arrival
+        order: streamed and batch rounds aggregate the same). 0 turns it off.
     norm_warmup : int (default: 3)
         Accepted norms a round needs to be the next round's reference; the least quorum.
     max_weight : float (default: 0.0)
@@ -719,7 +719,7 @@ class CompressedStrategy(Strategy):
             self._accumulator.reset()
         sent = len(self._sent.get(server_round, ()))
         guard = RoundGuard(self.config.norm_factor, self.config.max_update_norm, self.config.norm_warmup,
-                           self.config.weight_factor, quorum=sent // 2 + 1, history=self._guard_history)
+                           self.config.weight_factor, quorum=sent, history=self._guard_history)
         return RoundReplies(
             round=server_round, mode=mode, layout=self._layout, base=self._base, accumulator=self._accumulator,
             feedback=self.feedback, guard=guard,
