@@ -128,3 +128,31 @@ def test_download_tier_chain_on_arbitrary_layouts(spec, data):
                                  base_crc=steps[0].base_crc, crc=steps[-1].crc, layout=layout)
     assert info == (0, 3, tier.crc) and reference_crc(reference) == reference_crc(tier.reference)
     assert apply_step(start, {n: torch.zeros_like(t) for n, t in start.items()}).keys() == start.keys()
+
+
+def _chunk_constants():
+    """Every module-level ``*CHUNK`` size of fedcomp (the chunked readers, encoders, sums, hashes)."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("fedcomp") or module is None or name == "fedcomp.msgsize":  # msgsize: Flower's
+            continue
+        for key, value in list(vars(module).items()):
+            if key.endswith("CHUNK") and isinstance(value, int) and not isinstance(value, bool) and value >= 1024:
+                yield module, key
+
+
+@pytest.mark.parametrize("chunk", [1031, 2053])
+def test_contract_with_chunks_that_split_every_tensor(monkeypatch, chunk):
+    """Chunk sizes are powers of two, and so were the tested tensors: with prime chunk sizes every
+    chunked loop splits the drawn tensors at odd places, and the contract still holds."""
+    patched = [f"{m.__name__}.{k}" for m, k in _chunk_constants()]
+    assert len(patched) >= 5, patched
+    for module, key in _chunk_constants():
+        monkeypatch.setattr(module, key, chunk)
+    rng = random.Random(chunk)
+    for spec in SPECS:
+        update = random_update(rng)
+        if max(t.numel() for t in update.values()) < 3 * chunk:  # at least one tensor across chunks
+            update["big.w"] = values((4 * chunk + 5,), torch.float32, "normal", 0.01, chunk)
+        check_update(spec, update, nonce=chunk, rnd=1)
