@@ -202,6 +202,7 @@ def upload_bound(spec: str, layout: fedcomp.Layout) -> tuple[int, int]:
     positions); where the count kept depends on the data (threshold, DGC) the dense size. Both
     with ``UPLOAD_SLACK``."""
     dense = int(fedcomp.build_codec("none()").size_bytes(layout) * UPLOAD_SLACK) + UPLOAD_SLACK_BYTES
+    spec = fedcomp.build_codec(spec).spec  # canonical: every argument written out
     sizes = []
     for candidate in (spec, spec.replace("index='rice'", "index='fixed'")):
         try:
