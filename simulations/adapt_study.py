@@ -5,14 +5,15 @@ ratios, and the family with its ratio written ``auto`` (:class:`fedcomp.adapt.Au
 settings on every model and task: no per-task tuning). The target is the dense run's final accuracy
 minus 1 point, as in the sweep.
 
-- ``digits`` (the default task): :func:`fedcomp.simulations.sweep.run_one`, the sweep's replay of the
-  loop ``flwr run .`` runs (every tensor through the codec; lr 0.3).
-- any other task (``--task mnist --model cnn-bn --lr 0.05``): :func:`run_flower`, Flower's FedAvg
-  wrapped as the README tells users to (:class:`~fedcomp.strategies.CompressedStrategy`, or
-  :class:`~fedcomp.strategies.AdaptiveStrategy` for ``auto``) and the project's ClientApp ``train``
-  behind ``compression_mod``, in one process (the loop of
-  :mod:`fedcomp.simulations.strategy_study`); BatchNorm statistics travel exact as the wrapper sends
-  them, and bytes are the real replies' Flower message bytes.
+Every run goes through the one experiment harness (:func:`fedcomp.simulations.harness.run`:
+Flower's FedAvg wrapped as the README tells users to, :class:`~fedcomp.strategies.CompressedStrategy`
+or :class:`~fedcomp.strategies.AdaptiveStrategy` for ``auto``, the project's ClientApp behind
+``compression_mod``, ``Strategy.start`` in one process; bytes are the real messages' Flower bytes):
+
+- ``digits`` (the default task): :func:`fedcomp.simulations.sweep.run_one` (lr 0.3; ``none()``
+  through the wrapper, as in the sweep).
+- any other task (``--task mnist --model cnn-bn --lr 0.05``): :func:`run_flower` (``none()``: FedAvg
+  unwrapped); BatchNorm statistics travel exact as the wrapper sends them.
 
 Done when (issue #17), per model: the ``auto`` run reaches the target with no more cumulative upload
 bytes than the best fixed ratio (the fewest bytes to the target among the fixed ratios), and
@@ -59,36 +60,18 @@ DIGITS_LR = 0.3  # the sweep's (fedcomp.simulations.sweep.DEFAULTS)
 
 def run_flower(spec: str, error_feedback: bool, rounds: int, clients: int, *, task: str, model: str, lr: float,
                seed: int = 0, subsample: float = 1.0) -> dict:
-    """One FedAvg run of ``task``/``model`` through Flower's strategy and the project's client mod,
-    in one process; rows as :func:`fedcomp.simulations.sweep.run_one`'s (``upload_bytes`` per round).
-    ``spec`` ``"none()"``: FedAvg unwrapped (dense); with ``auto``: :class:`AdaptiveStrategy` fed the
-    server's evaluation after every round (round 0: the initial model), as ``start(evaluate_fn=)`` does.
+    """One FedAvg run of ``task``/``model`` through :func:`fedcomp.simulations.harness.run`; rows as
+    :func:`fedcomp.simulations.sweep.run_one`'s (``upload_bytes`` per round). ``spec`` ``"none()"``:
+    FedAvg unwrapped (dense); with ``auto``: :class:`AdaptiveStrategy` fed the server's evaluation.
     ``subsample`` < 1: each client keeps that fraction of its partition (a seeded sample, the same in
     every round and run), to make a round cheaper; the test set stays whole."""
     import torch
-    from flwr.app import Context, RecordDict
-    from flwr.supercore.task_identity import TaskIdentity
 
-    from fedcomp.adapt import is_auto
+    from fedcomp.simulations import harness
     from fedcomp.simulations import task as tasks
-    from fedcomp.simulations.strategy_study import strategies
-    from fedcomp.strategies import AdaptiveStrategy, CompressedStrategy
 
-    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1  # what a Flower process sets
     torch.set_num_threads(1)
     tasks.check_task_model(task, model)
-    inner = strategies(clients, 1.0, lr)["FedAvg"]()
-    auto = is_auto(spec)
-    if spec == "none()":
-        strategy = inner
-    elif auto:
-        strategy = AdaptiveStrategy(inner, upload=spec, error_feedback=error_feedback, seed=seed)
-    else:
-        strategy = CompressedStrategy(inner, upload=spec, error_feedback=error_feedback, seed=seed)
-    cfg = {"seed": seed, "task": task, "model": model, "local-epochs": 1, "lr": lr, "batch-size": 32,
-           "partition-alpha": 0.5, "subsample": subsample}
-    contexts = {100 + p: Context(run_id=1, node_id=100 + p, node_config={"partition-id": p, "num-partitions": clients},
-                                 state=RecordDict(), run_config=dict(cfg)) for p in range(clients)}
     if subsample < 1:
         load = tasks.load_partition
 
@@ -100,50 +83,18 @@ def run_flower(spec: str, error_feedback: bool, rounds: int, clients: int, *, ta
 
         tasks.load_partition = smaller  # what the ClientApp's train calls (restored below)
     try:
-        return _loop(strategy, auto, contexts, tasks, task, model, seed, clients, rounds, spec, error_feedback, cfg)
+        h = harness.run(harness.DENSE if spec == "none()" else spec, task=task, model=model, rounds=rounds,
+                        clients=clients, lr=lr, seed=seed,
+                        **({} if spec == "none()" else {"error_feedback": error_feedback, "download": "none()"}))
     finally:
         if subsample < 1:
             tasks.load_partition = load
-
-
-def _loop(strategy, auto, contexts, tasks, task, model, seed, clients, rounds, spec, error_feedback, cfg) -> dict:
-    import time
-
-    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
-
-    from fedcomp.clients.mod import compression_mod
-    from fedcomp.msgsize import message_bytes
-    from fedcomp.simulations import client_app
-    from fedcomp.simulations.strategy_study import _Grid
-
-    grid = _Grid(sorted(contexts))
-    net = tasks.build_model(model, seed=seed, task=task)
-    x_test, y_test = tasks.load_test(task, seed, num_partitions=clients)
-    arrays = ArrayRecord(net.state_dict())
-    dense_reply = message_bytes(RecordDict({"arrays": arrays, "metrics": MetricRecord({"train_loss": 0.0, "num-examples": 1})}))
-    dense_down = message_bytes(RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": 1})}))
-    if auto:  # evaluate_fn(0): the initial model's accuracy is the first signal
-        strategy.observe(0, {"accuracy": tasks.evaluate(net, x_test, y_test, device="cpu")[1]}, arrays)
-    rows, t0 = [], time.perf_counter()
-    for rnd in range(1, rounds + 1):
-        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord({"server-round": rnd}), grid))
-        down = sum(message_bytes(m.content) for m in messages)
-        replies = [compression_mod(m, contexts[m.metadata.dst_node_id], client_app.train) for m in messages]
-        up = sum(message_bytes(r.content) for r in replies)
-        new, _ = strategy.aggregate_train(rnd, replies)
-        arrays = new if new is not None else arrays
-        net.load_state_dict(arrays.to_torch_state_dict())
-        loss, accuracy = tasks.evaluate(net, x_test, y_test, device="cpu")
-        rows.append({"round": rnd, "accuracy": accuracy, "loss": loss, "upload_bytes": up,
-                     "upload_bytes_dense": len(replies) * dense_reply, "download_bytes": down,
-                     "download_bytes_dense": len(messages) * dense_down})
-        if auto:
-            h = strategy.strength_of(rnd)
-            strategy.observe(rnd, {"accuracy": accuracy})
-            rows[-1].update(upload_spec=h["spec"], strength=h[strategy.auto.param], budget=h["budget"],
-                            decision=h["decision"], fixed_bytes=h.get("fixed_bytes"))
-    return {"upload": spec, "error_feedback": error_feedback, "rounds": rows, "clients": clients, "config": cfg,
-            "seconds": time.perf_counter() - t0}
+    cfg = {"seed": seed, "task": task, "model": model, "local-epochs": 1, "lr": lr, "batch-size": 32,
+           "partition-alpha": 0.5, "subsample": subsample}
+    keep = ("round", "accuracy", "loss", "upload_bytes", "upload_bytes_dense", "download_bytes",
+            "download_bytes_dense", "upload_spec", "strength", "budget", "decision", "fixed_bytes")
+    return {"upload": spec, "error_feedback": error_feedback, "rounds": [{k: r[k] for k in keep if k in r} for r in h.rows],
+            "clients": clients, "config": cfg, "seconds": h.seconds}
 
 
 def _run(args):

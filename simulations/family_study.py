@@ -1,10 +1,10 @@
 """Every codec family at its README default against dense FedAvg, on one task, in two regimes.
 
 Runs Flower's FedAvg wrapped by :class:`CompressedStrategy` with one upload spec per family (the
-README's codec table defaults) and unwrapped (dense), in the in-process Flower loop of
-:mod:`fedcomp.simulations.strategy_study` (each node's ``compression_mod`` + the project's
-``train``, the server evaluating every round). One JSON line per run in ``--out``; ``--table``
-prints the Markdown table (mean accuracy of the last 5 rounds, upload bytes against the dense run
+README's codec table defaults) and unwrapped (dense), through the one experiment harness
+(:func:`fedcomp.simulations.harness.run`, via :func:`fedcomp.simulations.strategy_study.run_one`:
+each node's ``compression_mod`` + the project's ClientApp, the server evaluating every round). One
+JSON line per run in ``--out``; ``--table`` prints the Markdown table (mean accuracy of the last 5 rounds, upload bytes against the dense run
 of the same regime and seed)::
 
     python -m fedcomp.simulations.family_study --task mnist --model cnn-bn --lr 0.05 --rounds 30 --clients 10

@@ -129,7 +129,7 @@ class History:
     rows: list[dict]  # per round: accuracy, loss, bytes (see run), replies, aggregated, finite, + observe's keys
     initial: dict  # the initial model's accuracy and loss (round 0)
     stats: dict  # round -> RoundStats of the wrapper (empty for the dense baseline)
-    upload: str  # the resolved upload spec ('dense' for the baseline)
+    upload: str  # the upload spec as resolved at round 1 (the last round's for an 'auto' parameter; 'dense')
     download: str  # the resolved download tiers ('dense' for the baseline)
     aggregation: str  # 'decode' or 'sketch' (wrapped), 'dense'
     config: dict  # the run's settings
@@ -299,7 +299,7 @@ def run(
             row.update(upload_spec=h["spec"], strength=h[strat.auto.param], budget=h["budget"],
                        decision=h.get("decision"), fixed_bytes=h.get("fixed_bytes"))
     if wrapped:
-        up_spec = compressed.upload.spec if compressed.upload is not None else str(upload)
+        up_spec = str(compressed.config.upload)  # 'auto' resolved at round 1, as the config writes it
         down_spec = " | ".join(t.codec.spec for t in compressed.tiers) if compressed.tiers else ""
         aggregation = compressed.aggregation
     else:

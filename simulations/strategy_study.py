@@ -1,11 +1,11 @@
 """Every Flower strategy, wrapped by :class:`CompressedStrategy` and unwrapped, on the project's tasks.
 
 Integrated the way the README tells users to: the Flower strategy object (``flwr.serverapp.strategy``)
-wrapped as it is, the project's ClientApp ``train`` function behind ``compression_mod``. The loop is
-the one Flower's ``Strategy.start`` runs, in one process (no Ray, no SuperLink): each round
-``configure_train`` samples nodes and builds their messages, each node's mod + ``train`` answers,
-``aggregate_train`` returns the new model, the server evaluates it on the task's test set.
-Unwrapped runs send the same messages without fedcomp (the mod passes them through).
+wrapped as it is, the project's ClientApp with ``compression_mod``, through the one experiment
+harness (:func:`fedcomp.simulations.harness.run`: Flower's ``Strategy.start`` in one process, the
+server evaluating every round on the task's test set). Unwrapped runs send the same messages
+without fedcomp (the mod passes them through). The strategies' settings:
+:func:`fedcomp.simulations.harness.strategies`.
 
 Command (rows appended to ``--out``, one JSON line per run; ``--table`` prints the Markdown table)::
 
@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -27,85 +25,24 @@ import torch
 OUT = Path(__file__).resolve().parent.parent / "results" / "strategies" / "results.jsonl"
 
 
-def strategies(clients: int, fraction: float, lr: float) -> dict:
-    """Flower's strategies with the settings the study uses (Flower's defaults unless stated)."""
-    from flwr.serverapp import strategy as s
-
-    common = {"fraction_train": fraction, "fraction_evaluate": 0.0, "min_available_nodes": clients,
-              "min_train_nodes": max(2, int(clients * fraction))}
-    return {
-        "FedAvg": lambda: s.FedAvg(**common),
-        "FedProx": lambda: s.FedProx(**common, proximal_mu=0.01),  # the project's client ignores the term
-        "FedAvgM": lambda: s.FedAvgM(**common, server_momentum=0.9),
-        "FedAdam": lambda: s.FedAdam(**common, eta=0.01, eta_l=0.05),
-        "FedAdagrad": lambda: s.FedAdagrad(**common, eta=0.01, eta_l=0.05),
-        "FedYogi": lambda: s.FedYogi(**common, eta=0.01, eta_l=0.05),
-        "FedMedian": lambda: s.FedMedian(**common),
-        "FedTrimmedAvg": lambda: s.FedTrimmedAvg(**common, beta=0.2),
-        "Krum": lambda: s.Krum(**common, num_malicious_nodes=1),
-        "MultiKrum": lambda: s.MultiKrum(**common, num_malicious_nodes=1, num_nodes_to_select=5),
-        "Bulyan": lambda: s.Bulyan(**common, num_malicious_nodes=1),
-        "QFedAvg": lambda: s.QFedAvg(client_learning_rate=lr, **common),
-    }
-
-
 def run_one(name: str, wrapped: bool, *, task_name: str, model_name: str, rounds: int, clients: int,
             fraction: float, lr: float, seed: int, upload: str | None = None, error_feedback: bool = True) -> dict:
-    """One run of strategy ``name``; returns its config, accuracy per round, bytes and time."""
-    from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+    """One run of strategy ``name`` through :func:`fedcomp.simulations.harness.run`; returns its config,
+    accuracy per round, cumulative upload bytes and time."""
+    from fedcomp.simulations import harness
 
-    from fedcomp.clients.mod import compression_mod
-    from fedcomp.msgsize import message_bytes
-    from fedcomp.simulations import client_app, task
-    from fedcomp.strategies.wrapper import CompressedStrategy
-
-    from flwr.supercore.task_identity import TaskIdentity
-
-    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1  # what a Flower process sets
     torch.set_num_threads(1)
-    # Flower samples nodes with the process-global random: seeded per run, a seed picks the same clients
-    # each round whatever ran before in the process, and runs of one seed are paired (dense included)
-    random.seed(seed)
-    inner = strategies(clients, fraction, lr)[name]()
-    settings = ({} if upload is None else {"upload": upload}) | ({} if error_feedback else {"error_feedback": False})
-    strategy = CompressedStrategy(inner, **settings) if wrapped else inner
-    run_config = {"seed": seed, "task": task_name, "model": model_name, "local-epochs": 1, "lr": lr,
-                  "batch-size": 32, "partition-alpha": 0.5}
-    contexts = {100 + p: Context(run_id=1, node_id=100 + p, node_config={"partition-id": p, "num-partitions": clients},
-                                 state=RecordDict(), run_config=run_config) for p in range(clients)}
-    grid = _Grid(sorted(contexts))
-    model = task.build_model(model_name, seed=seed, task=task_name)
-    x_test, y_test = task.load_test(task_name, seed, num_partitions=clients)
-    arrays = ArrayRecord(model.state_dict())
-    rows, up, t0 = [], 0, time.perf_counter()
-    for rnd in range(1, rounds + 1):
-        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord({"server-round": rnd}), grid))
-        replies = []
-        for msg in messages:
-            node = msg.metadata.dst_node_id
-            reply = compression_mod(msg, contexts[node], client_app.train)
-            up += message_bytes(reply.content)
-            replies.append(reply)
-        new, _ = strategy.aggregate_train(rnd, replies)
-        arrays = new if new is not None else arrays
-        model.load_state_dict(arrays.to_torch_state_dict())
-        loss, accuracy = task.evaluate(model, x_test, y_test, device="cpu")
-        finite = all(torch.isfinite(v).all() for v in model.state_dict().values() if v.is_floating_point())
-        rows.append({"round": rnd, "accuracy": accuracy, "loss": loss, "upload_bytes": up, "finite": bool(finite)})
-    resolved = strategy.config.upload if wrapped else "dense"  # 'auto' resolved by the wrapper at round 1
-    return {"strategy": name, "wrapped": wrapped, "upload": resolved,
+    settings = {} if error_feedback else {"error_feedback": False}
+    h = harness.run((upload or "auto") if wrapped else harness.DENSE, task=task_name, model=model_name,
+                    strategy=name, rounds=rounds, clients=clients, fraction=fraction, lr=lr, seed=seed, **settings)
+    rows, up = [], 0
+    for r in h.rows:
+        up += r["upload_bytes"]
+        rows.append({"round": r["round"], "accuracy": r["accuracy"], "loss": r["loss"], "upload_bytes": up,
+                     "finite": r["finite"]})
+    return {"strategy": name, "wrapped": wrapped, "upload": h.upload, "download": h.download,
             "task": task_name, "model": model_name, "rounds": rows, "clients": clients, "fraction": fraction,
-            "lr": lr, "seed": seed, "seconds": round(time.perf_counter() - t0, 1)}
-
-
-class _Grid:
-    """The one method of Flower's Grid that strategies call in ``configure_train``."""
-
-    def __init__(self, node_ids):
-        self._ids = list(node_ids)
-
-    def get_node_ids(self):
-        return list(self._ids)
+            "lr": lr, "seed": seed, "seconds": round(h.seconds, 1), **({"error": h.error} if h.error else {})}
 
 
 def table(path: Path = OUT) -> str:
@@ -114,6 +51,8 @@ def table(path: Path = OUT) -> str:
 
     def tail(run):
         return 100 * statistics.mean(r["accuracy"] for r in run["rounds"][-5:])
+
+    from fedcomp.simulations.harness import strategies
 
     lines = ["| task | strategy | unwrapped % | wrapped % | upload | gap (pt) | upload x |", "|---|---|---|---|---|---|---|"]
     keys = sorted({(r["task"], r["model"], r["rounds"][-1]["round"], r["clients"], r["fraction"]) for r in runs})
@@ -144,12 +83,11 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--table", action="store_true", help="print the table from --out and exit")
     args = parser.parse_args(argv)
-    import logging
-
-    logging.getLogger("flwr").setLevel(logging.WARNING)  # one INFO line per round and strategy otherwise
     if args.table:
         print(table(args.out))
         return
+    from fedcomp.simulations.harness import strategies
+
     names = args.names or list(strategies(1, 1.0, 0.1))
     unknown = sorted(set(names) - set(strategies(1, 1.0, 0.1)))
     if unknown:

@@ -1,22 +1,15 @@
-"""Accuracy against bytes: every codec on the default digits task, in-process, without Flower's engine.
+"""Accuracy against bytes: every codec on the default digits task, through the one experiment harness.
 
-The federated loop is the one ``flwr run .`` runs (``simulations/client_app.py`` + ``clients/mod.py`` +
-``simulations/server_app.py``), replayed in one process so a 100-round sweep of many codecs fits on two
-cores:
-
-1. Same task: ``fedcomp.simulations.task`` data split, Dirichlet partitions (alpha 0.5), model, local
-   SGD (1 epoch, lr 0.3, batch 32) and the same training seeds per (round, partition).
-2. Each client trains from the global model, computes its update, and calls
-   :func:`fedcomp.compress` with its own residual and codec state (error feedback on or off).
-3. The server streams the replies through :class:`fedcomp.aggregate.Accumulator` (the running
-   sum ``CompressedStrategy`` uses), weighted by the clients' example counts (FedAvg), and moves
-   the global model by the mean (:meth:`~fedcomp.aggregate.Accumulator.apply_mean`);
-   accuracy is measured on the held-out digits after every round.
-4. Bytes are Flower message bytes: each reply is built as the ``RecordDict`` the client mod
-   sends (``fedcomp.upload`` ConfigRecord with the payload, plus the app's MetricRecord) and
-   sized with ``fedcomp.msgsize.message_bytes``; the dense reference is the same reply with
-   the model as an ArrayRecord. Downloads are the broadcast records the wrapper sends
-   (``download='none()'``).
+Each run is :func:`fedcomp.simulations.harness.run`: Flower's FedAvg wrapped by
+:class:`~fedcomp.strategies.CompressedStrategy` (``upload=<spec>``, ``download='none()'``, the
+client error feedback on or off), ``Strategy.start`` in one process, each node answered by the
+project's ClientApp behind ``compression_mod`` (``simulations/client_app.py``: Dirichlet partitions,
+alpha 0.5, local SGD 1 epoch, lr 0.3, batch 32, training seeds per (round, partition)); the server
+evaluates on the held-out digits after every round. A spec with one ``auto`` parameter runs
+:class:`~fedcomp.strategies.AdaptiveStrategy`. ``none()`` is the reference every ratio is taken
+against (fp32 payloads through the same wrapper). Bytes are the Flower message bytes of the train
+replies and messages; ``upload_bytes_dense`` is the wrapper's count of the same replies with the
+model as plain arrays.
 
 Writes ``<out>/sweep.json`` (per run: config, per-round accuracy and bytes), ``<out>/sweep.md``
 (the table) and two plots (accuracy vs cumulative upload MB, accuracy vs round).
@@ -31,8 +24,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import time
-import zlib
 from pathlib import Path
 
 import torch
@@ -64,96 +55,31 @@ DEFAULTS = {"model": "mlp", "local-epochs": 1, "lr": 0.3, "batch-size": 32, "see
 
 
 def run_one(spec: str, error_feedback: bool, rounds: int, clients: int, cfg: dict | None = None) -> dict:
-    """One federated run; returns its config and per-round rows.
+    """One federated run of upload ``spec`` through :func:`fedcomp.simulations.harness.run`; returns
+    its config and per-round rows.
 
     A spec with one ``param=auto`` (``topk(ratio=auto)+qsgd(bits=4)``) is resolved each round by
-    :class:`fedcomp.adapt.AutoStrength` from the held-out accuracy after the previous round (what the
-    project's ServerApp evaluates centrally); each row then records the round's ``upload_spec``, the
-    knob's value (``strength``), the controller's ``budget``, its ``decision`` and the reply bytes besides
-    the payload (``fixed_bytes``, which floor the budget).
+    :class:`~fedcomp.strategies.AdaptiveStrategy` from the server's evaluation after the previous
+    round; each row then records the round's ``upload_spec``, the knob's value (``strength``), the
+    controller's ``budget``, its ``decision`` and the reply bytes besides the payload
+    (``fixed_bytes``). ``cfg["adapt"]``: :class:`fedcomp.adapt.AdaptSettings` keyword arguments.
     """
-    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
-
-    import fedcomp
-    from fedcomp import protocol as P
-    from fedcomp.aggregate import Accumulator
-    from fedcomp.simulations import task
-    from fedcomp.msgsize import message_bytes
+    from fedcomp.adapt import AdaptSettings, is_auto
+    from fedcomp.simulations import harness
 
     cfg = {**DEFAULTS, **(cfg or {})}
     torch.set_num_threads(1)
-    seed = int(cfg["seed"])
-    from fedcomp.adapt import AdaptSettings, AutoStrength, is_auto
-
-    model = task.build_model(cfg["model"], seed=seed)
-    train_set, test_set = task.load_digits_split(seed=seed)
-    x_test, y_test = test_set.tensors
-    parts = [task.partition(train_set, clients, pid, float(cfg["partition-alpha"]), seed) for pid in range(clients)]
-    global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    layout = fedcomp.Layout.of(global_state)
-    auto = AutoStrength(spec, layout, AdaptSettings(**cfg.get("adapt", {})), seed=seed) if is_auto(spec) else None
-    codec = fedcomp.build_codec(spec) if auto is None else None
-    if auto is not None:  # the ServerApp's evaluate_fn(0): the initial model's accuracy is the first signal
-        auto.observe(0, task.evaluate(model, x_test, y_test, device="cpu")[1])
-    residuals: list[dict | None] = [None] * clients
-    states: list[dict] = [{} for _ in range(clients)]
-    rows = []
-    sizes: dict[tuple[int, int], int] = {}
-    down_bytes = down_bytes_dense = None  # the broadcast's size does not change between rounds
-    t_start = time.perf_counter()
-    for rnd in range(1, rounds + 1):
-        if auto is not None:
-            codec = fedcomp.build_codec(auto.spec(rnd))
-            down_bytes = None  # the broadcast names the round's upload spec
-        # the broadcast the wrapper sends with download='none()'
-        down = fedcomp.build_codec("none()").encode(global_state, nonce=fedcomp.derive_nonce(seed, rnd, 0), round=rnd)
-        ref_crc = zlib.crc32(down.payload)
-        down_msg = RecordDict({"config": ConfigRecord({"server-round": rnd}), P.DOWNLOAD_RECORD: ConfigRecord({
-            P.MODE: "full", P.PAYLOADS: [down.payload], P.ROUNDS: [rnd], P.BASE_CRC: 0, P.REF_CRC: ref_crc,
-            P.TIER: 0, P.TIERS: 1, P.TIER_KBPS: "",
-            P.LAYOUT: layout.to_json(), P.UPLOAD_SPEC: codec.spec, P.DOWNLOAD_SPEC: "none()",
-            P.ERROR_FEEDBACK: error_feedback, P.SEED: seed, P.ROUND: rnd, P.ARRAYS_KEY: "arrays",
-            P.DELTA: 0.0, P.DELTA_REF: 0, P.LINK_PROFILE: "none", P.DEADLINE: 0.0, P.FALLBACK: "skip"})})
-        down_dense = RecordDict({"arrays": ArrayRecord(global_state), "config": ConfigRecord({"server-round": rnd})})
-        if down_bytes is None:
-            down_bytes, down_bytes_dense = message_bytes(down_msg), message_bytes(down_dense)
-        acc = Accumulator(codec, layout)
-        up = up_dense = 0
-        for pid, (x, y) in enumerate(parts):
-            model.load_state_dict(global_state)
-            loss = task.train(model, x, y, epochs=int(cfg["local-epochs"]), lr=float(cfg["lr"]),
-                              batch_size=int(cfg["batch-size"]), seed=seed * 100_003 + rnd * 1009 + pid, device="cpu")
-            trained = model.state_dict()
-            delta = {k: trained[k] - global_state[k] for k in layout.names}
-            encoded, residuals[pid] = fedcomp.compress(
-                codec, delta, residuals[pid], nonce=fedcomp.derive_nonce(seed, rnd, pid + 1),
-                error_feedback=error_feedback, round=rnd, state=states[pid])
-            metrics = MetricRecord({"train_loss": float(loss), "num-examples": int(x.shape[0])})
-            reply = RecordDict({P.UPLOAD_RECORD: ConfigRecord({  # the fields clients/mod.py sends
-                P.PAYLOAD: encoded.payload, P.ARRAYS_KEY: "arrays", P.DELTA_REF: 0,
-                P.TIER: 0, P.REF_VERSION: rnd, P.REF_CRC: ref_crc, P.WANT_TIER: 0}), "metrics": metrics})
-            key = (len(encoded.payload), pid)  # the size depends on the payload's length and the client's metrics only
-            if key not in sizes:
-                sizes[key] = message_bytes(reply)
-            up += sizes[key]
-            if rnd == 1 and pid == 0:
-                dense_reply = message_bytes(RecordDict({"arrays": ArrayRecord(trained), "metrics": metrics}))
-            up_dense += dense_reply  # the model record dominates; metrics differ by a few bytes per client
-            acc.add(encoded.payload, float(x.shape[0]), round=rnd)
-        global_state = acc.apply_mean(global_state)  # what CompressedStrategy does with a FedAvg round
-        model.load_state_dict(global_state)
-        loss, accuracy = task.evaluate(model, x_test, y_test, device="cpu")
-        rows.append({"round": rnd, "accuracy": accuracy, "loss": loss, "upload_bytes": up,
-                     "upload_bytes_dense": up_dense, "download_bytes": clients * down_bytes,
-                     "download_bytes_dense": clients * down_bytes_dense})
-        if auto is not None:
-            auto.observe_message(rnd, up / clients)
-            auto.observe(rnd, accuracy)
-            h = auto.history[-1]
-            rows[-1].update(upload_spec=h["spec"], strength=h[auto.param], budget=h["budget"], decision=h["decision"],
-                            fixed_bytes=h["fixed_bytes"])
-    return {"upload": spec, "error_feedback": error_feedback, "rounds": rows, "clients": clients, "config": cfg,
-            "seconds": time.perf_counter() - t_start}
+    settings = {"download": "none()", "error_feedback": error_feedback}
+    if is_auto(spec) and cfg.get("adapt"):
+        settings["adapt"] = AdaptSettings(**cfg["adapt"])
+    h = harness.run(spec, task="digits", model=str(cfg["model"]), rounds=rounds, clients=clients,
+                    seed=int(cfg["seed"]), lr=float(cfg["lr"]), local_epochs=int(cfg["local-epochs"]),
+                    batch_size=int(cfg["batch-size"]), alpha=float(cfg["partition-alpha"]), **settings)
+    keep = ("round", "accuracy", "loss", "upload_bytes", "upload_bytes_dense", "download_bytes",
+            "download_bytes_dense", "upload_spec", "strength", "budget", "decision", "fixed_bytes")
+    rows = [{k: r[k] for k in keep if k in r} for r in h.rows]
+    return {"upload": spec, "resolved": h.upload, "error_feedback": error_feedback, "rounds": rows,
+            "clients": clients, "config": cfg, "seconds": h.seconds, **({"error": h.error} if h.error else {})}
 
 
 def _run_star(args):
