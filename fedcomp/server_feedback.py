@@ -110,6 +110,12 @@ class ServerFeedback:
         """Server memory between rounds: momentum and error tables."""
         return sum(2 * 4 * self.reducer.count(seg) for seg, _ in self._segments)
 
+    @property
+    def exact_specs(self) -> list:
+        """The layout entries that travel exact beside the sketch (statistics, integer buffers), in the
+        order of :meth:`decode`'s last value."""
+        return list(self._exact)
+
     def decode(self, payload: bytes) -> list[torch.Tensor]:
         """One upload's dequantized table values per sketched segment, then its exact entries
         (one flat float64 vector, empty when there are none), checked: DecodeError for a

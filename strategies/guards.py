@@ -346,5 +346,31 @@ class StateGuard:
                                         f"{float(new.min()):.4g}); a variance is >= 0")
 
 
+def check_exact(exact: torch.Tensor, specs, base: dict[str, torch.Tensor],
+                max_integer_step: int = MAX_INTEGER_STEP) -> None:
+    """:class:`StateGuard`'s checks for a FetchSGD upload's exact entries (``exact``: one flat
+    float64 vector of ``specs`` in order, :meth:`fedcomp.server_feedback.ServerFeedback.decode`'s last
+    value): running variances stay >= 0, counters do not go down, integer buffers move by at most
+    ``max_integer_step``. Raises :class:`ReplyRejected`."""
+    offset = 0
+    for spec in specs:
+        v = exact[offset:offset + spec.numel]
+        offset += spec.numel
+        if not v.numel():
+            continue
+        if not spec.is_float:
+            low, high = float(v.min()), float(v.max())
+            if max(-low, high) > max_integer_step:
+                raise ReplyRejected(f"update moves the integer buffer {spec.name!r} by {high if high > -low else low:.0f}; "
+                                    f"at most +-{max_integer_step} per round")
+            if spec.name.endswith("num_batches_tracked") and low < 0:
+                raise ReplyRejected(f"update moves the counter {spec.name!r} back by {-low:.0f}; counters only count up")
+        elif spec.name.endswith("running_var"):
+            new = base[spec.name].reshape(-1).double() + v
+            if bool((new < 0).any()):
+                raise ReplyRejected(f"update makes the running variance {spec.name!r} negative (min "
+                                    f"{float(new.min()):.4g}); a variance is >= 0")
+
+
 __all__ = ["GuardHistory", "RoundGuard", "ReplyRejected", "StateGuard", "check_metrics", "majority_schema",
-           "upload_bound", "MAX_INTEGER_STEP"]
+           "upload_bound", "check_exact", "MAX_INTEGER_STEP"]

@@ -44,8 +44,8 @@ from fedcomp.aggregate import Accumulator, apply_step, check_weight
 from fedcomp.budget import same_family
 from fedcomp.server_feedback import ServerFeedback
 from fedcomp.msgsize import message_bytes
-from fedcomp.strategies.guards import (ReplyRejected, RoundGuard, StateGuard, check_metrics, describe_schema,
-                                       majority_schema)
+from fedcomp.strategies.guards import (ReplyRejected, RoundGuard, StateGuard, check_exact, check_metrics,
+                                       describe_schema, majority_schema)
 from fedcomp.wire import HEADER, HEADER_BYTES, REPLY_TAG, check_reply_tag
 
 NONCES_KEPT = 64  # per node: payload nonces remembered to refuse replays
@@ -164,6 +164,8 @@ class RoundReplies:
             check_reply_tag(payload, record.get(REPLY_TAG), self.tokens[node])
         if self.state_guard is not None and self.mode != "sketch":
             self.state_guard.check(update, self.base)
+        elif self.mode == "sketch" and self.feedback.exact_specs:
+            check_exact(update[-1], self.feedback.exact_specs, self.base)
         return _Valid(node, msg, rest, weight, norm, entry, update, payload, codec, str(record[P.ARRAYS_KEY]),
                       metrics)
 

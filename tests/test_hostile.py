@@ -507,3 +507,14 @@ def test_reply_trained_on_a_forged_broadcast_is_dropped():
         seen = statuses(strategy, node)
         assert all("trained from a reference the server never sent" in s for s in seen), seen
     _close_to_dropped(final, ROUNDS)
+
+
+def test_sketch_aggregation_checks_the_exact_statistics_too():
+    sketch = "sketch(rows=1,cols=2000,ratio=0.05)+qsgd(bits=8)"
+    for attack, says in ((NegativeVariance(), "makes the running variance 'bn.running_var' negative"),
+                         (CounterJump(), "integer buffer 'bn.num_batches_tracked' by 4611686018427387")):
+        _, _, strategy = federation(2, attack, model="bn", lr=0.1, upload=sketch)
+        assert strategy.aggregation == "sketch"
+        for node in HOSTILE:
+            assert all(says in s for s in statuses(strategy, node)), statuses(strategy, node)
+        assert all(s.aggregated == CLIENTS - len(HOSTILE) for s in strategy.rounds.values())
