@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedcomp import quantizers as _quantizers  # noqa: F401  (registers the quantizers)
+from fedcomp import codecs as _codecs  # noqa: F401  (registers the built-in quantizers)
 from fedcomp import sparsifiers as _sparsifiers  # noqa: F401  (registers the selectors)
 from fedcomp import dgc as _dgc  # noqa: F401  (registers Deep Gradient Compression)
 from fedcomp import powersgd as _powersgd  # noqa: F401  (registers the low-rank reducer)
@@ -25,7 +25,8 @@ from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.layout import MAX_NUMEL, Layout
 from fedcomp.pieces import Pieces
 from fedcomp import kernels
-from fedcomp.quantizers import HALF_CODES, read_values, runs, write_run, write_values
+from fedcomp.codecs.fastpath import HALF_CODES, runs, write_run
+from fedcomp.codecs.values import read_values, write_values
 from fedcomp.spec import parse_spec
 from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, arena, header, open_payload, output_empty, output_like
 

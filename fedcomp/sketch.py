@@ -41,7 +41,7 @@ import torch
 
 from fedcomp import uniforms
 from fedcomp.base import REGISTRY, Knob, Reducer, Segment, StageContext, register
-from fedcomp.quantizers import _encode_kernels
+from fedcomp.codecs.blockwise import _encode_kernels
 from fedcomp.wire import Reader, Writer, host_empty, host_zeros
 
 HASH_CACHE = 1 << 21  # hash entries (rows x elements) kept as tables; larger segments regenerate them

@@ -31,7 +31,7 @@ from fedcomp.bitpack import (
 )
 from fedcomp.errors import DecodeError
 from fedcomp.pieces import Pieces
-from fedcomp.quantizers import FixedSign, Sign
+from fedcomp.codecs.sign import FixedSign, Sign
 from fedcomp.wire import Reader, Writer
 
 SCOPES = ("global", "tensor")

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import fedcomp
-from fedcomp import aggregate, quantizers, sketch
+from fedcomp import aggregate, sketch
+from fedcomp.codecs import blockwise as quantizers  # (the blockwise encoders' _ENCODE_CHUNK)
 from fedcomp.aggregate import Accumulator, UpdateRejected
 from fedcomp.base import REGISTRY, example_specs
 from fedcomp.sketch import CountSketch

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import fedcomp
-from fedcomp import DecodeError, aggregate, bitpack, kernels, quantizers
+from fedcomp import DecodeError, aggregate, bitpack, kernels
+from fedcomp.codecs import blockwise, fp
 from fedcomp.aggregate import Accumulator
 
 pytestmark = pytest.mark.skipif(kernels.get() is None, reason="numba not installed")
@@ -55,7 +56,7 @@ def _run(spec: str):
 @pytest.mark.parametrize("spec", SPECS)
 def test_kernels_give_the_torch_paths_bits(spec, monkeypatch):
     monkeypatch.setattr(aggregate, "CHUNK", 600)  # chunks start inside blocks and tensors
-    monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 1000)
+    monkeypatch.setattr(blockwise, "_ENCODE_CHUNK", 1000)
     monkeypatch.setenv("FEDCOMP_KERNELS", "0")
     ref = _run(spec)
     monkeypatch.setenv("FEDCOMP_KERNELS", "1")
@@ -89,7 +90,7 @@ def test_unpack_matches_unpack_codes():
     for bits in range(1, 9):
         for count in (1, 7, 8, 9, 100, 1001):
             codes = torch.randint(0, 1 << bits, (count,), generator=g, dtype=torch.int64)
-            packed = quantizers.pack_bits(codes, bits)
+            packed = bitpack.pack_bits(codes, bits)
             out = torch.empty(count, dtype=torch.uint8)
             k.unpack(packed.numpy(), count, bits, out.numpy())
             assert torch.equal(out.long(), codes), (bits, count)
@@ -122,7 +123,7 @@ def _encode_inputs():
         yield f"{bad}", {"w": x}
     yield "huge", {"w": torch.randn(7000, generator=g) * 1e30}
     yield "subnormal", {"w": torch.randn(7000, generator=g) * 1e-40}
-    # the exact sums' fp32 lanes (terngrad's std, sign's scale; quantizers._STD_BLOCK 1000 here):
+    # the exact sums' fp32 lanes (terngrad's std, sign's scale; blockwise._STD_BLOCK 1000 here):
     # magnitudes from 1e-45 to 1e20 in every block (products below fp32's normal range), and
     # tensors whose every block has max |x| = f * 2**e, f in [0.5, 1), at k = 20 - e = 120, 127
     # (fp32's largest power of two) and 128 (the float64 loop)
@@ -139,8 +140,8 @@ def _encode_inputs():
 
 @pytest.mark.parametrize("spec", ENCODE_SPECS)
 def test_encode_kernels_give_the_same_payload(spec, monkeypatch):
-    monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 3000)  # several chunks, a ragged last one
-    monkeypatch.setattr(quantizers, "_STD_BLOCK", 1000)  # terngrad's std, sign's scale from several exact block sums
+    monkeypatch.setattr(blockwise, "_ENCODE_CHUNK", 3000)  # several chunks, a ragged last one
+    monkeypatch.setattr(blockwise, "_STD_BLOCK", 1000)  # terngrad's std, sign's scale from several exact block sums
     codec = fedcomp.build_codec(spec)
     for name, x in _encode_inputs():
         payloads = []
@@ -276,7 +277,7 @@ def test_half_conversions_in_the_loop_equal_torchs_for_every_pattern(dtype):
     k = kernels.get()
     bits = np.arange(1 << 16, dtype=np.uint16)
     with np.errstate(invalid="ignore"):
-        want = quantizers._half_table(dtype).astype(np.float64)
+        want = fp._half_table(dtype).astype(np.float64)
     ok = ~np.isnan(want)
     s = np.zeros(1 << 16)
     k.add_half(bits, dtype == torch.bfloat16, s, 1.0)
@@ -307,10 +308,10 @@ def test_half_encoding_in_the_loop_equals_torchs(dtype):
                         np.arange(0, 1 << 32, 997, dtype=np.uint64).astype(np.uint32)])
     x = u.view(np.float32)
     out = np.empty(x.shape[0], dtype=np.uint16)
-    kernels.get().to_half(x, dtype == torch.bfloat16, np.float32(quantizers._FP16_MAX), out)
+    kernels.get().to_half(x, dtype == torch.bfloat16, np.float32(fp._FP16_MAX), out)
     t = torch.from_numpy(x)
     if dtype == torch.float16:
-        t = torch.clamp(t, -quantizers._FP16_MAX, quantizers._FP16_MAX)
+        t = torch.clamp(t, -fp._FP16_MAX, fp._FP16_MAX)
     assert np.array_equal(out, t.to(dtype).view(torch.int16).numpy().view(np.uint16))
 
 

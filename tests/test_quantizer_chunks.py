@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fedcomp
-from fedcomp import quantizers
+from fedcomp.codecs import blockwise
 
 
 @pytest.mark.parametrize("spec", [
@@ -16,7 +16,7 @@ from fedcomp import quantizers
     "topk(ratio=0.5)+qsgd(bits=4)", "terngrad()",
 ])
 def test_chunked_encode_round_trips(spec, monkeypatch):
-    monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 2048)  # many chunks and a ragged last one
+    monkeypatch.setattr(blockwise, "_ENCODE_CHUNK", 2048)  # many chunks and a ragged last one
     x = {"w": torch.randn(173, 301, generator=torch.Generator().manual_seed(3)), "b": torch.randn(5)}
     layout = fedcomp.Layout.of(x)
     codec = fedcomp.build_codec(spec)
@@ -30,5 +30,5 @@ def test_chunked_encode_round_trips(spec, monkeypatch):
         assert (dec["w"] - x["w"]).abs().max() <= (x["w"].max() - x["w"].min()) / 2 ** (int(spec[10]) - 1)
     # one unchunked call gives the same bytes, stochastic rounding included (its uniforms are
     # counted by element index from one key per segment, not drawn chunk by chunk)
-    monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 1 << 30)
+    monkeypatch.setattr(blockwise, "_ENCODE_CHUNK", 1 << 30)
     assert codec.encode(x, nonce=9).payload == enc.payload

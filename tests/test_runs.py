@@ -1,4 +1,4 @@
-"""Every segment of an update in one compiled call (``quantizers.write_run``): the bytes of the
+"""Every segment of an update in one compiled call (``fastpath.write_run``): the bytes of the
 one-by-one writes, on layouts of many small tensors and a few large ones (written in steps),
 with segments the kernels refuse (not finite, all zeros) written the one-by-one way in place."""
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import fedcomp
-from fedcomp import aggregate, codec as codec_module, kernels, quantizers
+from fedcomp import aggregate, codec as codec_module, kernels
+from fedcomp.codecs import blockwise, fastpath
 
 pytestmark = pytest.mark.skipif(kernels.get() is None, reason="numba not installed")
 
@@ -39,11 +40,11 @@ def _update(special: str = "") -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("special", ["", "inf", "nan"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_a_run_writes_the_bytes_of_one_by_one_writes(spec, special, monkeypatch):
-    monkeypatch.setattr(quantizers, "_ENCODE_CHUNK", 1000)
+    monkeypatch.setattr(blockwise, "_ENCODE_CHUNK", 1000)
     monkeypatch.setenv("FEDCOMP_KERNELS", "1")
     codec, update = fedcomp.build_codec(spec), _update(special)
     calls = []
-    real = quantizers.write_run
+    real = fastpath.write_run
     monkeypatch.setattr(codec_module, "write_run", lambda *a: calls.append(len(a[1])) or real(*a))
     run = codec.encode(update, nonce=9, round=2).payload
     assert calls == [len(update) - 1]  # every float tensor in one call, each in its own shape

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import fedcomp
-from fedcomp import kernels, quantizers, uniforms
+from fedcomp import bitpack, kernels, uniforms
+from fedcomp.base import block_size
+from fedcomp.codecs import blockwise, fastpath, terngrad
 from fedcomp.sparsifiers import RandomK
 from fedcomp.wire import Writer
 
@@ -161,8 +163,8 @@ def test_compiled_stream_keys_are_the_keys_torch_draws():
     assert list(zip(k0s.tolist(), k1s.tolist())) == want
     ctx = StageContext(nonce=99)
     reseeded = ctx.generators([3, 0, 7])
-    got = quantizers._stream_keys(kernels.get(), reseeded, [torch.zeros(1)] * 3)  # the run path's keys
-    ref = quantizers._run_keys([uniforms.draw_key(ctx.generator(j), torch.device("cpu")) for j in (3, 0, 7)])
+    got = fastpath._stream_keys(kernels.get(), reseeded, [torch.zeros(1)] * 3)  # the run path's keys
+    ref = fastpath._run_keys([uniforms.draw_key(ctx.generator(j), torch.device("cpu")) for j in (3, 0, 7)])
     assert all(np.array_equal(a, b) for a, b in zip(got, ref)) and len(set(got[0].tolist())) == 3
 
 
@@ -185,13 +187,13 @@ def test_terngrad_std_is_torchs_to_its_precision(monkeypatch):
              torch.full((70_000,), 0.25), torch.randn(2, generator=g)]
     cases[1][::1000] = 0.0
     for block in (1 << 16, 64):
-        monkeypatch.setattr(quantizers, "_STD_BLOCK", block)
+        monkeypatch.setattr(blockwise, "_STD_BLOCK", block)
         for x in cases:
-            amax, std = quantizers._tern_stats_torch(x, True)
+            amax, std = terngrad._tern_stats_torch(x, True)
             assert amax == float(x.abs().max())
             assert math.isclose(std, float(x.double().std()), rel_tol=1e-6, abs_tol=0), (block, x.numel())
             if kernels.get() is not None:
-                assert quantizers._tern_stats_kernel(x, True, kernels.get()) == (amax, std)
+                assert terngrad._tern_stats_kernel(x, True, kernels.get()) == (amax, std)
 
 
 def test_shifted_block_sums_are_exact():
@@ -209,8 +211,8 @@ def test_shifted_block_sums_are_exact():
         ks = rng.integers(-130, 130, n) if trial % 4 < 2 else 7 + (rng.random(n) < 0.05)
         top = int(ks.max())
         want = sum(int(v) << power * (top - int(k)) for v, k in zip(s.tolist(), ks.tolist()))
-        assert quantizers._shifted_sum(s.tolist(), ks.tolist(), top, power) == want
-        assert quantizers._shifted_sum(s, ks, top, power) == want
+        assert blockwise._shifted_sum(s.tolist(), ks.tolist(), top, power) == want
+        assert blockwise._shifted_sum(s, ks, top, power) == want
 
 
 def _sign_payload(spec: str, x: torch.Tensor, flag: str, monkeypatch, write: bool) -> bytes:
@@ -225,7 +227,7 @@ def test_sign_scale_is_the_float64_one_to_its_precision(spec, monkeypatch):
     """Sign's scale from exact integer sums (parts of _STD_BLOCK, several per block here) is the
     float64 mean |x| / rms within 1e-6, on Gaussian, heavy-tailed (Cauchy) and mixed-magnitude
     values, with the same bytes from encode and write, fused loop and torch ops."""
-    monkeypatch.setattr(quantizers, "_STD_BLOCK", 1000)
+    monkeypatch.setattr(blockwise, "_STD_BLOCK", 1000)
     g = torch.Generator().manual_seed(11)
     cauchy = torch.tan(math.pi * (torch.rand(7001, generator=g) - 0.5))
     mixed = torch.cat([torch.randn(3000, generator=g) * 1e-30, torch.randn(4001, generator=g) * 1e20])
@@ -233,7 +235,7 @@ def test_sign_scale_is_the_float64_one_to_its_precision(spec, monkeypatch):
     for x in (torch.randn(7001, generator=g) * 1e-3, cauchy, mixed):
         payloads = {_sign_payload(spec, x, flag, monkeypatch, write) for flag in ("0", "1") for write in (False, True)}
         assert len(payloads) == 1
-        size = quantizers.block_size(x.numel(), q.config.block)
+        size = block_size(x.numel(), q.config.block)
         nb = -(-x.numel() // size)
         scale = torch.frombuffer(bytearray(payloads.pop()[:4 * nb]), dtype=torch.float32).double()
         for b in range(nb):
@@ -256,7 +258,7 @@ def test_sign_scale_of_values_not_finite_is_nan_or_inf_in_their_block(monkeypatc
             continue
         assert math.isnan(scale[0]) and math.isnan(scale[1]) and scale[2] == float("inf")
         assert bool(torch.isfinite(scale[3:]).all())
-        negative = quantizers.unpack_bits(torch.frombuffer(bytearray(body[4 * nb:]), dtype=torch.uint8), 5000, 1).bool()
+        negative = bitpack.unpack_bits(torch.frombuffer(bytearray(body[4 * nb:]), dtype=torch.uint8), 5000, 1).bool()
         assert torch.equal(negative, x < 0)  # NaN: not negative
 
 
