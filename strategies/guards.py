@@ -63,6 +63,7 @@ class GuardHistory:
 
     norms: list[float] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
+    spec: str = ""  # the upload codec they were measured with (norms of another codec are no reference)
 
     def known(self, warmup: int) -> bool:
         return len(self.norms) >= warmup

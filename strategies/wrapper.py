@@ -718,6 +718,9 @@ class CompressedStrategy(Strategy):
         else:
             self._accumulator.reset()
         sent = len(self._sent.get(server_round, ()))
+        if self._guard_history.spec != self.upload.spec:  # another codec's norms (AdaptiveStrategy) say nothing
+            self._guard_history.clear()
+            self._guard_history.spec = self.upload.spec
         guard = RoundGuard(self.config.norm_factor, self.config.max_update_norm, self.config.norm_warmup,
                            self.config.weight_factor, quorum=sent, history=self._guard_history)
         return RoundReplies(
