@@ -331,3 +331,22 @@ def test_biased_upload_with_partial_participation_warns_once(upload, fraction, w
     finally:
         logging.getLogger("flwr").removeHandler(handler)
     assert sum("stale" in m for m in seen) == (1 if warned else 0)
+
+
+def test_xdev_study_schemes_are_wrapper_settings_run_through_the_harness():
+    """The study's schemes run the real wrapper and mod (simulations/harness.py), tiny here."""
+    from fedcomp.simulations import xdev_study as x
+
+    by_name = {s.name: s for s in x.SCHEMES}
+    assert by_name["dense"].settings() == {}
+    coupled = by_name["fetchsgd-c16000-q4+coupled"].settings()
+    assert coupled["aggregation"] == "sketch" and coupled["coupled_download"] and coupled["seeded_init"]
+    assert not any("ef21" in s.name or "decay" in s.name for s in x.SCHEMES)  # not expressible by the wrapper
+    with pytest.raises(ValueError, match="server learning rate"):
+        x.Scheme("bad", "sketch(rows=1,cols=400)", mode="fetchsgd", server_lr=0.1)
+    tiny = x.Regime("tiny", 4, 2, rounds=2)
+    dense = x.run(by_name["dense"], tiny)
+    seeded = x.run(by_name["down-seeded"], tiny)
+    assert dense.error is None and dense.download_modes["dense"] == 4 and abs(dense.up_ratio - 1) < 1e-9
+    assert seeded.error is None and seeded.download_modes["chain"] == 4 and seeded.down_ratio > 50
+    assert 0 < seeded.accuracy <= 1 and len(seeded.curve) == 1
