@@ -889,7 +889,7 @@ def _u16(b0, k1, i):
 
 @njit(cache=True, nogil=True)
 def sketch_add(x, k0s, k1s, cols, table):
-    """CountSketch.sketch, payload format 2 (:meth:`fedcomp.sketch.CountSketch._hash_chunks`):
+    """CountSketch.sketch, payload format 2 (:meth:`fedcomp.codecs.sketch.CountSketch._hash_chunks`):
     for row r and element j, h = h_j of the stream (k0s[r], k1s[r]), the cell r * cols +
     (h * cols >> 32), the sign - where h is odd; table[cell] += sign * x[j], row by row and
     element by element in index order, as ``scatter_add_`` and ``index_add_`` add them (the same fp32 sums)."""
@@ -1403,7 +1403,7 @@ def _block_qsums(x, xb, a, e, qbits, sums, absolute, guess):
 def tern_stats(x, block, qbits, sums, amax, s1, s2, ks, guess):
     """Per block of ``block`` elements (<= 2**16): amax[b] = max |x|, and (``sums``) the exact
     integer sums s1[b] = sum q, s2[b] = sum q^2 of q = rint(x * 2**ks[b]), ks[b] chosen so that
-    |q| <= 2**qbits (qbits <= 20) (TernGrad's std: ``quantizers._tern_std``). False where a value
+    |q| <= 2**qbits (qbits <= 20) (TernGrad's std: ``terngrad._tern_std``). False where a value
     is not finite. ``guess``: the first block's k to try (:func:`_block_qsums`); each next block
     tries the k of the one before."""
     m = x.shape[0]
@@ -1447,7 +1447,7 @@ def sign_stats(x, size, sub, qbits, absolute, amax, s, ks, scale, flags, out, gu
     s[i] = sum |q| (``absolute``) or sum q^2 (:func:`_block_qsums`; 0 for a part not finite).
     The sign bits (``pack_bits(x < 0, 1)``) are written every SIGN_TILE elements or more, while
     those are in cache (a partial last byte is written again, whole, with the next tile). Blocks
-    of one part (size <= sub) get their fp32 scale here, as ``quantizers._sign_scales`` computes
+    of one part (size <= sub) get their fp32 scale here, as ``sign._sign_scales`` computes
     it: fp32(float64(s) / count (sqrt for rms) * 2**-k), or max |x| where it is inf or NaN.
     ``flags``: uint8 scratch of sub + SIGN_TILE + 8. ``guess``: the first part's k to try
     (:func:`_block_qsums`); each next part tries the k of the one before."""
@@ -1598,7 +1598,7 @@ BLOCK_KBIT, BLOCK_QSGD, BLOCK_SIGN = 0, 1, 2  # what a block's parameters are (b
 # -- runs: every segment of an update in one call (a write's Python costs ~100 us per segment) --
 @njit(inline="always")
 def _chunk_step(m, size, block, chunk):
-    """quantizers._chunk_step: elements per step (whole blocks, a multiple of 8 of them)."""
+    """blockwise._chunk_step: elements per step (whole blocks, a multiple of 8 of them)."""
     if block == 0 or m <= chunk:
         return max(m, 1)
     return min(m, max(8, (chunk // size) // 8 * 8) * size)
@@ -1719,7 +1719,7 @@ def sign_run(ptrs, ns, block, std_block, qbits, absolute, offs, region, part0, a
     """Sign.write of each segment at region[offs[i]:] (scale per block, then sign bits): codes,
     and the scales of blocks of one part (<= ``std_block`` elements); segment i's parts' sums go to
     [part0[i], part0[i + 1]) of amax / s / ks. ok[i] False where a block has several parts: its
-    scales are the caller's (``quantizers._sign_scales``, exact sums in Python integers)."""
+    scales are the caller's (``sign._sign_scales``, exact sums in Python integers)."""
     guess = NO_GUESS
     for i in range(ptrs.shape[0]):
         n = ns[i]
@@ -1970,7 +1970,7 @@ def _block_sq(kind, c, prm, b, size, bits, levels, i0, i1):
 def _block_add(kind, c, prm, b, size, bits, i0, i1, s, w, no, half):
     """s += w * values of codes c[i0:i1] of kbit (lo, scale), qsgd (norm / levels) or sign (scale);
     kbit's and qsgd's rounded to fp16 / bf16 where ``half`` is 1 / 2 (sign's scales are rounded
-    already: ``quantizers.Sign._round_tables``)."""
+    already: ``Sign.round_tables``)."""
     if kind == BLOCK_KBIT:
         kbit(c, prm[0, b:], prm[1, b:], size, i0, i1, no, s, w, True, half)
     elif kind == BLOCK_QSGD:

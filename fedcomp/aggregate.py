@@ -6,7 +6,7 @@ The data path of one reply (used alike by ``CompressedStrategy``, the sweep and 
    (:meth:`fedcomp.Codec.decode_parts`: checksum, fingerprints, every count and index) and
    rejects non-finite values, so a bad payload raises before anything is added. Selectors
    (top-k, threshold, random-k, DGC) stay sparse (positions + values, O(k) memory). Every other
-   codec stays compact: a quantizer's codes stay packed (:class:`fedcomp.quantizers.Values`),
+   codec stays compact: a quantizer's codes stay packed (:class:`fedcomp.codecs.values.Values`),
    PowerSGD's factors stay factors; their dense values are built ``CHUNK`` elements at a time
    to add them, never the whole reply. The check (finiteness, the norm) reads the codes, not the
    values, where it can: linear quantizers' sums of squares from exact integer sums of their codes
@@ -30,7 +30,7 @@ The data path of one reply (used alike by ``CompressedStrategy``, the sweep and 
 
 Where the quantizer reads runs (kbit, qsgd, sign, twobit, terngrad, fp16/bf16, none; CPU, numba),
 a reply is read at once (:meth:`fedcomp.Codec.read_run`) and its check and the batch's add are one
-compiled call each over every segment (:class:`fedcomp.quantizers.RunReply`), with the sums and
+compiled call each over every segment (:class:`fedcomp.codecs.fastpath.RunReply`), with the sums and
 norms of the per-segment path: the per-segment Python (~80 us per tensor and reply) is gone.
 
 Working memory: the float64 sum (two fp32 model copies, one float64 tensor each) plus
@@ -55,7 +55,7 @@ from fedcomp import kernels
 from fedcomp.base import Selector
 from fedcomp.codec import Codec
 from fedcomp.errors import DecodeError, FedcompError
-from fedcomp.sparsifiers import reads_ascending
+from fedcomp.codecs.sparsify import reads_ascending
 from fedcomp.steps import APPLY_CHUNK, _apply_one, apply_step, model_step  # noqa: F401  (re-exported)
 from fedcomp.wire import host_zeros
 
@@ -249,7 +249,7 @@ class _Expanded:
 
     def adder(self):
         """``f(lo, hi, s, w)``: ``s += w * chunk(lo, hi)`` for a float64 numpy ``s`` in one fused
-        loop, or None (see :meth:`fedcomp.quantizers.Values.adder`)."""
+        loop, or None (see :meth:`fedcomp.codecs.values.Values.adder`)."""
         make = getattr(self.reducer, "range_adder", None)
         return None if make is None else make(self.values, self.aux, self.seg)
 
@@ -318,7 +318,7 @@ class Update:
     _norm: float | None = None
     lazy: list[tuple[int, object, list]] = field(default_factory=list)
     nbytes: int = 0  # the payload it was read from (kept alive while the update waits in a batch)
-    run: object | None = None  # every dense segment at once (quantizers.RunReply), for compiled checks and adds
+    run: object | None = None  # every dense segment at once (fastpath.RunReply), for compiled checks and adds
     names: list[str] = field(default_factory=list)  # the run's segments' tensors, in order
     held: tuple[torch.Tensor, torch.Tensor] | None = None  # waiting sparse reply: (ascending flat positions, fp32 values)
     ascending: bool = False  # the parts' positions are ascending, parts in order of offset (reads_ascending)

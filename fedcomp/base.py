@@ -192,7 +192,7 @@ class Segment:
 class Reseeded:
     """``gen(i)``: one ``torch.Generator`` reseeded with ``seeds[i]`` at each call, valid until the
     next. ``seeds`` and ``device`` tell a caller that derives what the generators would draw some
-    other way (``quantizers._stream_keys``: every segment's stream key in one compiled call)."""
+    other way (``fastpath._stream_keys``: every segment's stream key in one compiled call)."""
 
     def __init__(self, seeds: list[int], device: torch.device | str = "cpu") -> None:
         self.seeds = seeds

@@ -15,11 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedcomp import codecs as _codecs  # noqa: F401  (registers the built-in quantizers)
-from fedcomp import sparsifiers as _sparsifiers  # noqa: F401  (registers the selectors)
-from fedcomp import dgc as _dgc  # noqa: F401  (registers Deep Gradient Compression)
-from fedcomp import powersgd as _powersgd  # noqa: F401  (registers the low-rank reducer)
-from fedcomp import sketch as _sketch  # noqa: F401  (registers the count sketch)
+from fedcomp import codecs as _codecs  # noqa: F401  (registers the built-in codecs)
 from fedcomp.base import REGISTRY, Quantizer, Reducer, Segment, Selector, StageContext
 from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.layout import MAX_NUMEL, Layout
@@ -362,7 +358,7 @@ class Codec:
         builds dense tensors): ``([(segment, layout positions, aux, values)], {position: raw tensor})``
         where ``aux`` is the reducer's side information (a selector's kept positions).
 
-        ``lazy=True``: ``values`` are :class:`fedcomp.quantizers.Values`, read and checked but not
+        ``lazy=True``: ``values`` are :class:`fedcomp.codecs.values.Values`, read and checked but not
         dequantized (built range by range on demand: ``values.chunk(lo, hi)``, ``values.dense()``),
         so a reply can be added to a sum without a dense copy of it."""
         return self._decode(payload, layout, torch.device(device), round, expand=None, lazy=lazy)
@@ -370,7 +366,7 @@ class Codec:
     def read_run(self, payload: bytes, layout: Layout, device: torch.device | str = "cpu", *,
                  sq_chunk: int | None = None):
         """Read and length-check a whole payload of a quantizer that reads runs
-        (:class:`fedcomp.quantizers.RunReply`: every segment at once, for the server's compiled
+        (:class:`fedcomp.codecs.fastpath.RunReply`: every segment at once, for the server's compiled
         check and add), or None where this codec, device or machine reads segment by segment
         (:meth:`decode_parts`). Returns ``(run, {position: raw tensor})``; raises
         :class:`DecodeError` as :meth:`decode` does.

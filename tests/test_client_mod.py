@@ -184,7 +184,7 @@ def test_evaluate_and_wrapped_messages_do_not_warn(warnings_seen):
 
 # -- an unexpected exception while encoding: an error reply naming the codec and the tensor ---------
 def test_encode_failure_becomes_an_error_reply_naming_the_codec_and_the_tensor(monkeypatch):
-    from fedcomp.sparsifiers import TopK
+    from fedcomp.codecs.sparsify import TopK
 
     def broken(self, x, seg, out, ctx):
         raise IndexError("index 4096 is out of bounds for dimension 0 with size 4096")
@@ -213,7 +213,7 @@ def test_encode_failure_without_segment_context_lists_the_layouts_tensors(monkey
 
 
 def test_server_records_the_encode_failure_and_aggregates_the_others(monkeypatch):
-    from fedcomp.sparsifiers import TopK
+    from fedcomp.codecs.sparsify import TopK
 
     real = TopK.reduce
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from fedcomp import DecodeError, Layout, SpecError, build_codec, compress
-from fedcomp.dgc import momentum_key, warmup_fraction
-from fedcomp.sparsifiers import sampled_threshold, sampled_topk, topk_from_threshold
+from fedcomp.codecs.dgc import momentum_key, warmup_fraction
+from fedcomp.codecs.sparsify import sampled_threshold, sampled_topk, topk_from_threshold
 
 HEADER, TRAILER = 24, 4
 

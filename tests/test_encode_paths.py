@@ -9,8 +9,8 @@ import torch
 import fedcomp
 from fedcomp.codec import LazyDecoded
 from fedcomp.pieces import Pieces
-from fedcomp.powersgd import power_step, reconstruct
-from fedcomp.sparsifiers import exact_topk_sampled
+from fedcomp.codecs.powersgd import power_step, reconstruct
+from fedcomp.codecs.sparsify import exact_topk_sampled
 from fedcomp.wire import Writer
 
 

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import fedcomp
-from fedcomp import aggregate, sketch
-from fedcomp.codecs import blockwise as quantizers  # (the blockwise encoders' _ENCODE_CHUNK)
+from fedcomp import aggregate
 from fedcomp.aggregate import Accumulator, UpdateRejected
 from fedcomp.base import REGISTRY, example_specs
-from fedcomp.sketch import CountSketch
+from fedcomp.codecs import blockwise as quantizers  # (the blockwise encoders' _ENCODE_CHUNK)
+from fedcomp.codecs import sketch
+from fedcomp.codecs.sketch import CountSketch
 
 # every registered quantizer alone (dense replies), a few non-default blocks, and PowerSGD
 DENSE = sorted(s for s in example_specs() if "+" not in s and REGISTRY[s.split("(")[0]].kind == "quantizer") + [

@@ -179,7 +179,7 @@ def test_powersgd_expand_keeps_torchs_nan_and_inf_bits(monkeypatch):
     is NaN) gives reconstruct()'s bits; the loop and torch keep different NaNs where two meet."""
     import itertools
 
-    from fedcomp.powersgd import reconstruct
+    from fedcomp.codecs.powersgd import reconstruct
 
     monkeypatch.setenv("FEDCOMP_KERNELS", "1")
     codec = fedcomp.build_codec("powersgd(rank=2,min_compression=0)")

@@ -421,7 +421,7 @@ def test_a_subclass_reading_positions_its_own_way_is_ordered_before_the_add():
     """A selector subclass whose reader returns positions out of order (in range) still gets them
     ordered before the compiled add (which walks them in order: unordered, it would write outside
     the tensor's sum), so the sum is its own dense decode."""
-    from fedcomp import sparsifiers
+    from fedcomp.codecs import sparsify as sparsifiers
 
     class Shuffled(sparsifiers.TopK):
         def read_indices(self, src, seg, ctx, device):

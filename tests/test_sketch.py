@@ -146,7 +146,7 @@ def test_counter_hashes_same_on_every_path(rows, n, monkeypatch):
     h is odd; the compiled loop and torch ops (chunked) give the same table bit for bit, and both
     follow the definition (plain Python, for some elements)."""
     from fedcomp import kernels
-    from fedcomp.sketch import CountSketch
+    from fedcomp.codecs.sketch import CountSketch
     from fedcomp.uniforms import reference_hash
 
     cs = CountSketch(CountSketch.Config(rows=rows, cols=997, seed=7))
@@ -172,7 +172,7 @@ def test_counter_hashes_same_on_every_path(rows, n, monkeypatch):
 
 def test_format_1_sketch_payloads_decode_with_their_hashes_and_a_server_refuses_to_sum_them(monkeypatch):
     from fedcomp.server_feedback import ServerFeedback
-    from fedcomp.sketch import CountSketch
+    from fedcomp.codecs.sketch import CountSketch
 
     x = {"w": torch.randn(60, 50, generator=torch.Generator().manual_seed(1)), "b": torch.randn(60)}
     layout = fedcomp.Layout.of(x)

@@ -14,7 +14,7 @@ import fedcomp
 from fedcomp import bitpack, kernels, uniforms
 from fedcomp.base import block_size
 from fedcomp.codecs import blockwise, fastpath, terngrad
-from fedcomp.sparsifiers import RandomK
+from fedcomp.codecs.sparsify import RandomK
 from fedcomp.wire import Writer
 
 KEYS = [(0, 0), (0xDEADBEEF, 0x12345678), (0xFFFFFFFF, 0xFFFFFFFF), (1, 0x80000000)]

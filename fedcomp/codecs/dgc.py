@@ -2,7 +2,7 @@
 
 DGC is top-k sparsification with error feedback plus four tricks: momentum correction, momentum
 factor masking, local gradient clipping and a sparsity warm-up; its top-k is found by sampling a
-threshold instead of sorting. Here the selection is :func:`fedcomp.sparsifiers.sampled_topk`, the
+threshold instead of sorting. Here the selection is :func:`fedcomp.codecs.sparsify.sampled_topk`, the
 residual is the ordinary error-feedback residual that :func:`fedcomp.compress` keeps, and the
 momentum lives in the client's codec ``state`` (the ``accumulate``/``after_encode`` hooks).
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from fedcomp.base import Segment, StageContext, register
-from fedcomp.sparsifiers import INDEX_CODINGS, _CodedIndices, _kept, sample_generator, sampled_topk
+from fedcomp.codecs.sparsify import INDEX_CODINGS, _CodedIndices, _kept, sample_generator, sampled_topk
 
 STATE_PREFIX = "dgc.u/"  # client state key of a tensor's momentum: f"{STATE_PREFIX}{name}"
 WARMUP_BASE = 0.25  # kept fraction in warm-up round t is WARMUP_BASE ** t (75%, 93.75%... sparsity)
@@ -44,7 +44,7 @@ class DGC(_CodedIndices):
     1. Clip (``clip > 0``): g <- g * min(1, clip / ||g||_2), the norm taken over all float tensors.
     2. Momentum correction: u <- momentum * u + g.
     3. Accumulate: p = v + u (:meth:`accumulate` returns p; ``compress`` encodes it).
-    4. Select by sampled threshold (:func:`~fedcomp.sparsifiers.sampled_topk`): about k elements,
+    4. Select by sampled threshold (:func:`~fedcomp.codecs.sparsify.sampled_topk`): about k elements,
        k = ceil(f * n) over the whole update (one global segment), where the kept fraction f is
        0.25 ** t in warm-up round t <= ``warmup`` (floored at ``ratio``) and ``ratio`` after.
        The payload carries the count and positions (u32 k + Rice or fixed-width index stream),
