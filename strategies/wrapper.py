@@ -947,8 +947,8 @@ class CompressedStrategy(Strategy):
         try:
             held = (int(record[P.TIER]), int(record[P.REF_VERSION]), int(record[P.REF_CRC]))
         except (KeyError, TypeError, ValueError, OverflowError):
-            return (f"reply reports no readable reference (tier, version, CRC): its update cannot be placed on a "
-                    f"model the server sent")
+            return ("reply reports no readable reference (tier, version, CRC): its update cannot be placed on a "
+                    "model the server sent")
         if self._known(held):
             return None
         return (f"reply was trained from a reference the server never sent (tier {held[0]}, version {held[1]}, CRC "

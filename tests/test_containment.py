@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 
 from conftest import FakeGrid, node_context, run_round, shift_trainer, tiny_model
-from fedcomp import protocol as P
 from fedcomp.clients.mod import compression_mod
 from fedcomp.codec import Codec
 from fedcomp.strategies.wrapper import CompressedStrategy
