@@ -1,61 +1,85 @@
 """Where delta coding of uploads pays: ``python -m fedcomp.simulations.delta_study``.
 
 1. How alike consecutive round updates of a digits client are (cosine similarity), in plain
-   10-client FedAvg with the default run config.
+   10-client FedAvg with the default run config (the one experiment harness,
+   :mod:`fedcomp.simulations.harness`).
 2. Relative error of the summed update after 12 rounds of drifting updates (a fixed direction
-   plus small noise), per codec, with delta 0 / 0.5 / 1, the same arithmetic as the client mod
-   and the strategy wrapper: the client encodes ``u - beta * r_prev`` with error feedback and the
-   server reconstructs ``r = decoded + beta * r_prev``.
+   plus small noise), per codec, with delta 0 / 0.5 / 1, through the client mod and the strategy
+   wrapper themselves (``CompressedStrategy(delta=beta)``): the client encodes ``u - beta * r_prev``
+   with error feedback and the server reconstructs ``r = decoded + beta * r_prev``.
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
-import fedcomp
-from fedcomp.simulations import task
 
 
 def consecutive_cosines(rounds: int = 30, clients: int = 10, seed: int = 0) -> list[tuple[int, float]]:
-    train_set, _ = task.load_digits_split(seed=seed)
-    model = task.build_model("mlp", seed)
-    parts = [task.partition(train_set, clients, i, 0.5, seed) for i in range(clients)]
-    previous, out = None, []
-    for r in range(1, rounds + 1):
-        start = {k: v.clone() for k, v in model.state_dict().items()}
-        deltas = []
-        for i, (x, y) in enumerate(parts):
-            local = copy.deepcopy(model)
-            task.train(local, x, y, epochs=1, lr=0.3, batch_size=32, seed=r * 1009 + i, device="cpu")
-            deltas.append(torch.cat([(local.state_dict()[k] - start[k]).reshape(-1) for k in start]))
-        if previous is not None and r % 5 == 0:
-            cos = [float(torch.nn.functional.cosine_similarity(a, b, dim=0)) for a, b in zip(deltas, previous)]
-            out.append((r, sum(cos) / len(cos)))
-        previous = deltas
-        mean = sum(deltas) / len(deltas)
-        offset, new = 0, {}
-        for k, v in start.items():
-            new[k] = v + mean[offset:offset + v.numel()].view(v.shape)
-            offset += v.numel()
-        model.load_state_dict(new)
+    """Every 5th round: the mean over clients of cosine(update_t, update_t-1), in dense FedAvg run
+    through :func:`fedcomp.simulations.harness.run` (a mod around the ClientApp reads each update)."""
+    from fedcomp.simulations import harness
+
+    updates: dict[int, dict[int, torch.Tensor]] = {}
+
+    def record(msg, context, call_next):
+        reply = call_next(msg, context)
+        sent = msg.content.array_records["arrays"].to_torch_state_dict()
+        trained = reply.content.array_records["arrays"].to_torch_state_dict()
+        rnd = int(msg.content.config_records["config"]["server-round"])
+        updates.setdefault(rnd, {})[context.node_id] = torch.cat(
+            [(trained[k].float() - sent[k].float()).reshape(-1) for k in sent])
+        return reply
+
+    harness.run(harness.DENSE, rounds=rounds, clients=clients, seed=seed, mods=[record])
+    out = []
+    for r in range(5, rounds + 1, 5):
+        cos = [float(torch.nn.functional.cosine_similarity(u, updates[r - 1][n], dim=0))
+               for n, u in updates[r].items() if n in updates.get(r - 1, {})]
+        out.append((r, sum(cos) / len(cos)))
     return out
 
 
 def delta_error(spec: str, beta: float, error_feedback: bool, rounds: int = 12, seed: int = 0) -> float:
+    """Relative error of what the server applied against the sum of one client's drifting updates,
+    through the real mod and wrapper (``CompressedStrategy(delta=beta)``, ``Strategy.start`` on the
+    harness's :class:`~fedcomp.simulations.harness.InProcessGrid`, one node, dense broadcasts)."""
+    import logging
+
+    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedcomp.clients.mod import compression_mod
+    from fedcomp.simulations import harness
+    from fedcomp.strategies import CompressedStrategy
+
     g = torch.Generator().manual_seed(seed)
     base = {"w": 0.05 * torch.randn(64, 32, generator=g), "b": 0.05 * torch.randn(64, generator=g)}
-    codec = fedcomp.build_codec(spec)
-    residual, reference, total, applied = None, None, None, None
-    for r in range(1, rounds + 1):
-        update = {k: v + 0.002 * torch.randn(v.shape, generator=g) for k, v in base.items()}
-        target = update if reference is None else {k: update[k] - beta * reference[k] for k in update}
-        enc, residual = fedcomp.compress(codec, target, residual, nonce=r, round=r, error_feedback=error_feedback)
-        reference = enc.decoded if reference is None else {k: enc.decoded[k] + beta * reference[k] for k in update}
-        total = update if total is None else {k: total[k] + update[k] for k in update}
-        applied = reference if applied is None else {k: applied[k] + reference[k] for k in update}
-    return float((applied["w"] - total["w"]).norm() / total["w"].norm())
+    updates = [{k: v + 0.002 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(rounds)]
+
+    def app(msg, context):  # the client's training: this round's update
+        received = msg.content.array_records["arrays"].to_torch_state_dict()
+        step = updates[int(msg.content.config_records["config"]["server-round"]) - 1]
+        return Message(RecordDict({"arrays": ArrayRecord({k: received[k] + step[k] for k in received}),
+                                   "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+
+    harness._identity()
+    contexts = {1: Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})}
+    grid = harness.InProcessGrid(app, contexts, mods=[compression_mod])
+    strategy = CompressedStrategy(FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=1,
+                                         min_train_nodes=1), upload=spec, download="none()", delta=beta,
+                                  error_feedback=error_feedback, seed=seed)
+    start = {k: torch.zeros_like(v) for k, v in base.items()}
+    flwr_log = logging.getLogger("flwr")
+    level = flwr_log.level
+    flwr_log.setLevel(logging.ERROR)
+    try:
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(start), num_rounds=rounds)
+    finally:
+        flwr_log.setLevel(level)
+    applied = result.arrays.to_torch_state_dict()["w"] - start["w"]
+    total = sum(u["w"] for u in updates)
+    return float((applied - total).norm() / total.norm())
 
 
 def main() -> None:

@@ -99,3 +99,14 @@ def test_observe_adds_to_the_rows_and_auto_records_its_strength():
 def test_dense_refuses_wrapper_settings():
     with pytest.raises(ValueError, match="dense baseline"):
         harness.run(harness.DENSE, rounds=1, clients=2, download="none()")
+
+
+def test_delta_study_runs_the_real_mod_and_wrapper():
+    """delta_study's error of delta coding, through InProcessGrid and CompressedStrategy(delta=...):
+    the figures of docs/how-to/delta-coding.md."""
+    from fedcomp.simulations.delta_study import consecutive_cosines, delta_error
+
+    errors = [delta_error("kbit(bits=2,block=64)", beta, True) for beta in (0.0, 1.0)]
+    assert errors == [pytest.approx(0.040, abs=5e-4), pytest.approx(0.009, abs=5e-4)]
+    ((r, cos),) = consecutive_cosines(rounds=5, clients=2)
+    assert r == 5 and 0 < cos < 1
