@@ -121,6 +121,7 @@ def child(path: str, spec: str, params: int, naive: bool, threads: int = 2) -> d
 
     import fedcomp
     from fedcomp import protocol as P
+    from fedcomp import wire
 
     torch.set_num_threads(max(1, min(threads, os.cpu_count() or 1)))
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1  # what a Flower process sets
@@ -158,8 +159,10 @@ def child(path: str, spec: str, params: int, naive: bool, threads: int = 2) -> d
         crc = strategy.tiers[0].crc
         replies = []
         for i, (msg, p) in enumerate(zip(messages, payloads)):  # the records compression_mod sends
+            token = int(msg.content.config_records[P.DOWNLOAD_RECORD][wire.REPLY_TOKEN])
             upload = ConfigRecord({P.PAYLOAD: p, P.ARRAYS_KEY: "arrays", P.DELTA_REF: 0, P.TIER: 0,
-                                   P.REF_VERSION: 1, P.REF_CRC: crc, P.WANT_TIER: 0})
+                                   P.REF_VERSION: 1, P.REF_CRC: crc, P.WANT_TIER: 0,
+                                   wire.REPLY_TAG: wire.reply_tag(p, token)})
             reply = Message(RecordDict({P.UPLOAD_RECORD: upload,
                                         "metrics": MetricRecord({"num-examples": 1 + (i % 3), "train_loss": 0.5})}),
                             reply_to=msg)
