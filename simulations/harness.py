@@ -218,8 +218,8 @@ def run(
     ``link-profile``...); ``mods``: extra mods around the ClientApp, outermost first; ``app``:
     another ClientApp (default the project's). ``observe(round, state)`` returns extra keys for
     the round's row (``state``: the global model after the round). ``evaluate=False``: no test-set
-    evaluation (accuracy and loss NaN; a quicker run for checks of the model state). ``quiet``: Flower's log at
-    ERROR during the run (its per-round lines and the baseline's unwrapped warnings).
+    evaluation (accuracy and loss NaN; a quicker run for checks of the model state). ``quiet``:
+    Flower's log at ERROR during the run (its per-round lines, the baseline's unwrapped warnings).
 
     Rows: ``round``, ``accuracy``, ``loss`` (server-side, on the task's test set), ``upload_bytes``
     and ``download_bytes`` (the round's train replies and messages, Flower message bytes),

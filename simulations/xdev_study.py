@@ -228,6 +228,7 @@ def table(path: Path) -> str:
         r = json.loads(line)
         rows[(r["scheme"], r["regime"], r["seed"])] = r
     order = [s.name for s in SCHEMES]
+    order += sorted({n for n, _, _ in rows} - set(order))  # schemes of older records (dropped since)
     regimes = list(REGIMES)
     out = ["| scheme | regime | seeds | accuracy % (per seed) | vs dense (pt) | upload x | download x | download modes "
            "(full/chain) |", "|---|---|---|---|---|---|---|---|"]
