@@ -30,39 +30,34 @@ from flwr.supercore.task_identity import TaskIdentity
 import fedcomp
 from fedcomp.clients.mod import compression_mod
 from fedcomp.simulations import task
+from fedcomp.simulations.harness import InProcessGrid
 from fedcomp.strategies.wrapper import CompressedStrategy
 
 
-class ScheduledGrid:
-    """Replies computed when pushed; reply i can be pulled ``(i + 1) * interval`` s after the push."""
+class ScheduledGrid(InProcessGrid):
+    """The experiment harness's grid (each node's ``compression_mod`` around :func:`_train`), with
+    reply i pullable only ``(i + 1) * interval`` s after the push."""
 
     def __init__(self, nodes: int, interval: float, poll: float = 0.05) -> None:
-        self.nodes, self.interval, self.poll = nodes, interval, poll
-        self.contexts = {n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
-                         for n in range(1, nodes + 1)}
-        self.ready: dict[str, tuple[float, Message]] = {}
+        contexts = {n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+                    for n in range(1, nodes + 1)}
+        super().__init__(_train, contexts, mods=[compression_mod])
+        self.interval, self.poll = interval, poll
+        self.due: dict[str, float] = {}
         self.last_available = 0.0
 
-    def get_node_ids(self):
-        return list(self.contexts)
-
     def push_messages(self, messages):
-        replies = []
-        for i, msg in enumerate(messages):
-            node = msg.metadata.dst_node_id
-            replies.append((f"m{i}", compression_mod(msg, self.contexts[node], _trainer(node))))
+        ids = super().push_messages(messages)
         start = time.monotonic()
-        for i, (key, reply) in enumerate(replies):
-            reply.metadata.__dict__["_reply_to_message_id"] = key  # what Flower's reply_to carries
-            self.ready[key] = (start + (i + 1) * self.interval, reply)
-        if replies:  # (the evaluation round pushes nothing)
-            self.last_available = start + len(replies) * self.interval
-        return [key for key, _ in replies]
+        for i, key in enumerate(ids):
+            self.due[key] = start + (i + 1) * self.interval
+        if ids:  # (the evaluation round pushes nothing)
+            self.last_available = start + len(ids) * self.interval
+        return ids
 
     def pull_messages(self, ids):
         now = time.monotonic()
-        due = [k for k in ids if k in self.ready and self.ready[k][0] <= now]
-        return [self.ready.pop(k)[1] for k in due]
+        return super().pull_messages([k for k in ids if k in self.ready and self.due[k] <= now])
 
     def send_and_receive(self, messages, *, timeout=None):
         """Flower's contract: every reply, then return (polling as Flower's in-memory grid does)."""
@@ -76,15 +71,13 @@ class ScheduledGrid:
         return replies
 
 
-def _trainer(node: int):
-    def app(msg: Message, context: Context) -> Message:
-        model = msg.content.array_records["arrays"].to_torch_state_dict()
-        g = torch.Generator().manual_seed(node)
-        trained = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in model.items()}
-        return Message(RecordDict({"arrays": ArrayRecord(trained), "metrics": MetricRecord({"num-examples": 10 + node})}),
-                       reply_to=msg)
-
-    return app
+def _train(msg: Message, context: Context) -> Message:
+    """A ClientApp stand-in: the received model moved by a node-seeded step."""
+    model = msg.content.array_records["arrays"].to_torch_state_dict()
+    g = torch.Generator().manual_seed(context.node_id)
+    trained = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in model.items()}
+    return Message(RecordDict({"arrays": ArrayRecord(trained),
+                               "metrics": MetricRecord({"num-examples": 10 + context.node_id})}), reply_to=msg)
 
 
 def post_last_reply_seconds(model, upload: str, clients: int, interval: float, streaming: bool) -> float:
