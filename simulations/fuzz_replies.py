@@ -331,7 +331,15 @@ def run(inputs: int, seed: int = 0, targets: tuple[str, ...] = TARGETS, chunk: i
 
     from flwr.common.logger import FLOWER_LOGGER  # (imported first: it sets its own level on import)
 
+    level = FLOWER_LOGGER.level
     FLOWER_LOGGER.setLevel(logging.ERROR)  # every refusal logs a warning: millions of them
+    try:
+        return _run(inputs, seed, targets, chunk)
+    finally:
+        FLOWER_LOGGER.setLevel(level)
+
+
+def _run(inputs: int, seed: int, targets: tuple[str, ...], chunk: int) -> dict:
     share = sum(MIX[t] for t in targets)
     report = {}
     for target in targets:
