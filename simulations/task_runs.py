@@ -26,10 +26,8 @@ from pathlib import Path
 
 import torch
 
-#: (task, model, lr) of the baselines; lr tuned coarsely for plain local SGD, batch 32, 1 epoch.
-#: Dense FedAvg, 10 clients all in every round, alpha 0.5, seed 0 (2026-11-22, shared 2-core CPU):
-#: mnist/cnn-bn 96.50% after 30 rounds (1037 s), mnist/resnet 96.40% after 10 rounds (851 s),
-#: stdlib-chars/char-lstm 52.51% next-character accuracy after 30 rounds (1381 s).
+#: (task, model, lr) of the baselines; lr tuned coarsely for plain local SGD, batch 32, 1 epoch
+#: (their accuracies: docs/how-to/project-simulations.md).
 BASELINES: tuple[tuple[str, str, float], ...] = (
     ("mnist", "cnn-bn", 0.05),
     ("mnist", "resnet", 0.05),
