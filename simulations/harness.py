@@ -178,7 +178,8 @@ def build_strategy(inner, upload: str, *, clients: int, fraction: float, lr: flo
         inner = inner()
     if upload == DENSE:
         if settings:
-            raise ValueError(f"the dense baseline runs the bare strategy: wrapper settings {sorted(settings)} do not apply")
+            raise ValueError(f"the dense baseline runs the bare strategy: wrapper settings {sorted(settings)} "
+                             f"do not apply")
         return inner
     if is_auto(upload):
         return AdaptiveStrategy(inner, upload=upload, seed=seed, **settings)
