@@ -650,7 +650,7 @@ class Accumulator:
     def _add_runs(self, pending: list[tuple[Update, float]]) -> None:
         """Replies read at once (:attr:`Update.run`) into the sums in one compiled call."""
         q = pending[0][0].run.quantizer
-        q._add_runs(kernels.get(), [u.run for u, _ in pending], np.array([w for _, w in pending], dtype=np.float64),
+        q.add_runs(kernels.get(), [u.run for u, _ in pending], np.array([w for _, w in pending], dtype=np.float64),
                     self._sum_addresses(), RUN_SUM_CHUNK)
 
     def _flush_lazy(self, pending: list[tuple[Update, float]]) -> None:

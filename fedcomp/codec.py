@@ -21,7 +21,7 @@ from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.layout import MAX_NUMEL, Layout
 from fedcomp.pieces import Pieces
 from fedcomp import kernels
-from fedcomp.codecs.fastpath import HALF_CODES, runs, write_run
+from fedcomp.codecs.fastpath import HALF_CODES, RunCodec, runs, write_run
 from fedcomp.codecs.values import read_values, write_values
 from fedcomp.spec import parse_spec
 from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, arena, header, open_payload, output_empty, output_like
@@ -376,12 +376,11 @@ class Codec:
         from memory instead of two); the checksum is verified before this returns, either way."""
         device = torch.device(device)
         q = self.quantizer
-        if self.reducer is not None or device.type != "cpu" or getattr(q, "read_run", None) is None \
-                or not runs(q, kernels.get()):
+        if self.reducer is not None or device.type != "cpu" or not runs(q, kernels.get()):
             return None
         check_decodable(layout)
         fused = None
-        if sq_chunk is not None and getattr(q, "crc_sq", None) is not None:
+        if sq_chunk is not None and q.crc_on_read:
             fused = kernels.crc32_function()
         versions = tuple(range(1, self.wire_version + 1))
         try:
@@ -421,7 +420,7 @@ class Codec:
             and all(t.torch_dtype == torch.float32 for t in layout.tensors if t.is_float)
         k = kernels.for_encode() if carve and self.reducer is None else None  # (a client's decode imports no numba)
         try:
-            if k is not None and getattr(self.quantizer, "_values_run", None) is not None:
+            if k is not None and isinstance(self.quantizer, RunCodec):
                 got = self.read_run(payload, layout, device)
                 if got is not None:
                     return self._decode_run(k, *got, layout)
@@ -444,8 +443,8 @@ class Codec:
         floats = [t.numel for t in layout.tensors if t.is_float]
         with arena(0), arena.fp32(floats):
             outs = [output_empty(n) for n in floats]
-        self.quantizer._values_run(k, run, np.fromiter((o.data_ptr() for o in outs), dtype=np.int64, count=len(outs)),
-                                   DECODE_CHUNK)
+        self.quantizer.values_run(k, run, np.fromiter((o.data_ptr() for o in outs), dtype=np.int64, count=len(outs)),
+                                  DECODE_CHUNK)
         made = iter(outs)
         return {spec.name: (next(made) if spec.is_float else raw[i]).view(spec.shape)
                 for i, spec in enumerate(layout.tensors)}

@@ -2,7 +2,7 @@
 re-exports the names code outside fedcomp imported from here."""
 
 from fedcomp.codecs.blockwise import ANS_MODES, CODINGS  # noqa: F401
-from fedcomp.codecs.fastpath import HALF_CODES, RunReply, runs, write_run  # noqa: F401
+from fedcomp.codecs.fastpath import HALF_CODES, RunCodec, RunReply, runs, write_run  # noqa: F401
 from fedcomp.codecs.fp import BFloat16, Float16, Identity  # noqa: F401
 from fedcomp.codecs.kbit import KBit  # noqa: F401
 from fedcomp.codecs.qsgd import QSGD  # noqa: F401

@@ -38,18 +38,15 @@ class Identity(_RawRuns, Quantizer):
         out.tensor(x)
         return x
 
-    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
-        """:func:`write_run`'s copies: numpy's (memcpy: ~1.4x faster than a compiled loop)."""
-        for x, o, n in zip(xs, offs.tolist(), ns.tolist()):
-            region[o:o + 4 * n].view(np.float32)[:] = x.numpy().reshape(-1)
+    def write_segments(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int = 0, crc: int = 0) -> int:
+        """Copies of the values: numpy's memcpy (faster than a compiled loop), or, with a CRC
+        function, a loop that continues the payload's CRC32 over each part as it copies it."""
         ok[:] = True
-
-    def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
-        """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it copies, each part as
-        it is read (:func:`fedcomp._numba_kernels.raw_run_crc`); returns the CRC."""
-        crc = k.raw_run_crc(ptrs, ns, offs, region, fn, np.uint32(crc))
-        ok[:] = True
-        return int(crc)
+        if not fn:
+            for x, o, n in zip(xs, offs.tolist(), ns.tolist()):
+                region[o:o + 4 * n].view(np.float32)[:] = x.numpy().reshape(-1)
+            return 0
+        return int(k.raw_run_crc(ptrs, ns, offs, region, fn, np.uint32(crc)))
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         return src.tensor(count, torch.float32, output=True).to(device)
@@ -87,18 +84,15 @@ class _HalfFloat(_RawRuns, Quantizer):
     def _raw_kind(self) -> int:  # type: ignore[override]
         return 2 if self.dtype == torch.bfloat16 else 1
 
-    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
-        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.half_run`)."""
-        k.half_run(ptrs, ns, self.dtype == torch.bfloat16, np.float32(_FP16_MAX), offs, region)
+    def write_segments(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int = 0, crc: int = 0) -> int:
+        """Clamp and convert every segment in one compiled call; with a CRC function, continue
+        the payload's CRC32 over each part while it is in cache."""
         ok[:] = True
-
-    def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
-        """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it writes, part by part
-        while each is in cache (:func:`fedcomp._numba_kernels.half_run_crc`); returns the CRC."""
-        crc = k.half_run_crc(ptrs, ns, self.dtype == torch.bfloat16, np.float32(_FP16_MAX), offs, region, fn,
-                             np.uint32(crc))
-        ok[:] = True
-        return int(crc)
+        brain = self.dtype == torch.bfloat16
+        if not fn:
+            k.half_run(ptrs, ns, brain, np.float32(_FP16_MAX), offs, region)
+            return 0
+        return int(k.half_run_crc(ptrs, ns, brain, np.float32(_FP16_MAX), offs, region, fn, np.uint32(crc)))
 
     def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
         """:meth:`encode`'s bytes: one output tensor, clamped and converted chunk by chunk."""

@@ -27,13 +27,13 @@ from fedcomp.codecs.blockwise import (
     _row_range,
     _uniform,
 )
-from fedcomp.codecs.fastpath import _BlockRuns, _ChecksummedRun, _run_keys, _stream_keys
+from fedcomp.codecs.fastpath import _BlockRuns, _run_keys, _stream_keys
 from fedcomp.codecs.values import Values, _fused
 from fedcomp.wire import Reader, Writer
 
 
 @register
-class KBit(_ChecksummedRun, _BlockRuns, _EntropyCoded, Quantizer):
+class KBit(_BlockRuns, _EntropyCoded, Quantizer):
     """Linear k-bit quantization per block: q = round((x - min) / scale), scale = (max - min) / (2^b - 1).
 
     |error| <= scale / 2 with nearest rounding; < scale and unbiased with stochastic rounding.
@@ -117,9 +117,10 @@ class KBit(_ChecksummedRun, _BlockRuns, _EntropyCoded, Quantizer):
     def runs(self) -> bool:
         return self.config.coding == "packed"
 
-    def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
-        """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it writes (``fn`` 0:
-        none), the codes as they are packed; returns the CRC."""
+    crc_on_write = True
+
+    def write_segments(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int = 0, crc: int = 0) -> int:
+        """One compiled call, continuing the payload's CRC32 as the codes are packed (``fn`` 0: none)."""
         stochastic = self.config.stochastic
         k0s, k1s = _stream_keys(k, gen, xs) if stochastic else _run_keys([None] * len(xs))
         step = max(_chunk_step(int(n), self.config.block) for n in ns.tolist())

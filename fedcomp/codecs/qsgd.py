@@ -26,13 +26,13 @@ from fedcomp.codecs.blockwise import (
     _per_block_,
     _uniform,
 )
-from fedcomp.codecs.fastpath import _BlockRuns, _ChecksummedRun, _stream_keys
+from fedcomp.codecs.fastpath import _BlockRuns, _stream_keys
 from fedcomp.codecs.values import Values, _fused
 from fedcomp.wire import Reader, Writer
 
 
 @register
-class QSGD(_ChecksummedRun, _BlockRuns, _EntropyCoded, Quantizer):
+class QSGD(_BlockRuns, _EntropyCoded, Quantizer):
     """QSGD (Alistarh et al. 2017): per bucket, ||v|| * sign(v_j) * xi_j with xi_j stochastic over s levels.
 
     ``bits`` counts the sign: s = 2^(bits-1) - 1 levels above zero. Unbiased; elementwise
@@ -131,9 +131,10 @@ class QSGD(_ChecksummedRun, _BlockRuns, _EntropyCoded, Quantizer):
         with np.errstate(all="ignore"):  # a NaN or inf norm (fuzzed payloads) is refused by the check
             return rows / np.float32(self.levels)
 
-    def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
-        """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it writes (``fn`` 0:
-        none), the codes as they are packed; returns the CRC."""
+    crc_on_write = True
+
+    def write_segments(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int = 0, crc: int = 0) -> int:
+        """One compiled call, continuing the payload's CRC32 as the codes are packed (``fn`` 0: none)."""
         k0s, k1s = _stream_keys(k, gen, xs)
         step = max(_chunk_step(int(n), self.config.bucket) for n in ns.tolist())
         return int(k.block_run(k.BLOCK_QSGD, ptrs, ns, self.config.bucket, self.levels, self.config.bits, True, k0s, k1s,

@@ -25,7 +25,7 @@ from fedcomp.codecs.blockwise import (
     _qstats_torch,
     _shifted_sum,
 )
-from fedcomp.codecs.fastpath import _BlockRuns, _ChecksummedRun, RunReply, _TernaryRuns, _round_by
+from fedcomp.codecs.fastpath import _BlockRuns, RunReply, _TernaryRuns, _round_by
 from fedcomp.codecs.values import Values, _fused, _ternary, _ternary_kernels
 from fedcomp.errors import DecodeError
 from fedcomp.wire import Reader, Writer
@@ -149,20 +149,20 @@ class Sign(_BlockRuns, Quantizer):
 
     _run_kind, _run_per, _run_bits = "BLOCK_SIGN", 1, 1  # runs (_BlockRuns): a scale per block, sign bits
 
-    def _run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
+    def run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
         """Every value is +-scale: elements per block x scale**2, from the scales alone."""
         out = np.empty(run.ns.shape[0], dtype=np.float64)
         k.sign_sq_run(run.ns, run.p0, run.params[0], self.config.block, chunk, out)
         return out
 
-    def _round_tables(self, run: RunReply, halves: np.ndarray) -> None:
+    def round_tables(self, run: RunReply, halves: np.ndarray) -> None:
         """Every value is +-scale: a half segment's scales rounded once (the check's squares; the
         add rounds each value again, to the same value)."""
         _round_by(run.params[0], np.repeat(halves, np.diff(run.p0)))
 
-    def _run(self, k, xs, gen, ptrs, ns, offs, region, ok) -> None:
-        """:func:`write_run`'s compiled call (:func:`fedcomp._numba_kernels.sign_run`); the scales
-        of blocks of several parts are combined here, as :meth:`_write` does."""
+    def write_segments(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int = 0, crc: int = 0) -> int:
+        """One compiled call (`sign_run`); the scales of blocks of several parts are combined
+        here, as `_write` does. No CRC on the way (``crc_on_write`` False)."""
         block, rms = self.config.block, self.config.scale == "rms"
         sizes = [block_size(n, block) for n in ns.tolist()]
         subs = [min(size, blockwise._STD_BLOCK) for size in sizes]
@@ -179,6 +179,7 @@ class Sign(_BlockRuns, Quantizer):
             sc = _sign_scales(amax[p0:p1], ks[p0:p1], s[p0:p1], n, sizes[i], subs[i], rms)
             region[offs[i]:offs[i] + 4 * sc.shape[0]] = sc.view(np.uint8)
             ok[i] = True
+        return 0
 
     def _expand(self, scale: torch.Tensor, negative: torch.Tensor, m: int) -> torch.Tensor:
         per = scale.repeat_interleave(block_size(m, self.config.block))[:m]
@@ -245,7 +246,7 @@ class FixedSign(Quantizer):
 
 
 @register
-class TwoBit(_ChecksummedRun, _TernaryRuns, Quantizer):
+class TwoBit(_TernaryRuns, Quantizer):
     """MXNet's 2-bit codec: x >= t -> +t (11), x <= -t -> -t (10), else 0 (00).
 
     Elementwise |error| <= |x|: the remainder stays in the residual (error feedback). ``t`` is an
@@ -280,9 +281,10 @@ class TwoBit(_ChecksummedRun, _TernaryRuns, Quantizer):
         t = self.config.threshold
         return offs, np.tile(np.array([0.0, 0.0, -t, t], dtype=np.float32), (ns.shape[0], 1))
 
-    def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
-        """:meth:`_run` continuing the payload's CRC32 ``crc`` over what it writes (``fn`` 0:
-        none), each chunk as it is packed; returns the CRC."""
+    crc_on_write = True
+
+    def write_segments(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int = 0, crc: int = 0) -> int:
+        """One compiled call, continuing the payload's CRC32 as each chunk is packed (``fn`` 0: none)."""
         step = max(4, blockwise._ENCODE_CHUNK // 16 * 4)
         crc = k.twobit_run(ptrs, ns, np.float32(self.config.threshold), offs, region, step,
                            kernels.scratch(step, np.uint8), fn, np.uint32(crc))

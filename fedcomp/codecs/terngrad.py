@@ -14,7 +14,7 @@ from fedcomp.base import Quantizer, register
 from fedcomp.bitpack import packed_bytes, unpack_codes
 from fedcomp.codecs import blockwise
 from fedcomp.codecs.blockwise import _STD_QBITS, _encode_kernels, _key32, _pack_into, _qstats_torch, _shifted_sum
-from fedcomp.codecs.fastpath import _ChecksummedRun, _TernaryRuns, _block_params, _stream_keys
+from fedcomp.codecs.fastpath import _TernaryRuns, _block_params, _stream_keys
 from fedcomp.codecs.values import Values, _ternary, _ternary_kernels
 from fedcomp.errors import DecodeError
 from fedcomp.wire import Reader, Writer
@@ -64,7 +64,7 @@ def _tern_stats_torch(x: torch.Tensor, clip: bool):
 
 
 @register
-class TernGrad(_ChecksummedRun, _TernaryRuns, Quantizer):
+class TernGrad(_TernaryRuns, Quantizer):
     """TernGrad (Wen et al. 2017): s * sign(g) * b, b ~ Bernoulli(|g| / s), s = max|g| per segment.
 
     With ``clip`` > 0, g is first clipped to +-clip * std(g) (biased; error feedback keeps the
@@ -178,7 +178,9 @@ class TernGrad(_ChecksummedRun, _TernaryRuns, Quantizer):
                 s32 = np.minimum(amax, bound32)
         return s32, bound32
 
-    def _run_crc(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int, crc: int) -> int:
+    crc_on_write = True
+
+    def write_segments(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int = 0, crc: int = 0) -> int:
         """:func:`write_run`'s compiled calls: every segment's block statistics in one
         (:func:`fedcomp._numba_kernels.tern_stats_run`), s and the clip bound per segment here as
         :meth:`_write` computes them (the exact std in Python integers; the fp32 scale for all
