@@ -26,7 +26,7 @@ is 312 B, ratio ~0.00056) or one whose BatchNorm statistics travel exact (``cnn-
 bytes do. The first policy had one floor, dense / 3000, for every model: right for ``mlp``, too weak
 for ``mlp-large``, where it spent 21% more bytes to the target than a fixed ``ratio=0.0005``;
 dense / 6000 for every model missed the target on ``mlp`` (results/adapt/notes.md).
-Limit (README, "Closed-loop strength"): between the floor and a stall the controller holds, so
+Limit (see the docs' How-to: closed loop): between the floor and a stall the controller holds, so
 ``auto`` costs about what the fixed ratio at its floor costs plus its trials: it ties with the fixed
 ratio nearest the floor (mnist cnn-bn 0.001: 1.4% fewer bytes) and loses to one just below it
 (mlp-large 0.00035: 10% more).

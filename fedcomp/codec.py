@@ -506,7 +506,8 @@ def cross_device_spec(spec: str) -> str:
 
     For runs where each client takes part now and then (cross-device): what a biased codec keeps
     on the client is many rounds stale when its client comes back, and the defaults for
-    every-round participation lose several points there (README, "Cross-device defaults").
+    every-round participation lose several points there (see the docs' Spec grammar: cross-device
+    defaults).
     """
     stages = parse_spec(spec)
     filled = []

@@ -71,7 +71,7 @@ class DGC(_CodedIndices):
 
     name = "dgc"
     budget_args = {"sample": 1.0}  # budgeted: exact top-k (see fedcomp.budget)
-    # 10 of 100 clients per round (mnist cnn-bn, 30 rounds): ratio 0.01 -5.6 points (3 seeds), 0.1 held (README)
+    # for clients that take part now and then (see the docs' Spec grammar: cross-device defaults)
     cross_device = {"ratio": 0.1}
     scope = "global"  # one segment over all float tensors
 

@@ -159,7 +159,7 @@ class PowerSGD(Reducer):
     """
 
     name = "powersgd"
-    # 10 of 100 clients per round (mnist cnn-bn, 30 rounds): rank 4 -3.0 points (5 seeds), rank 8 held (README)
+    # for clients that take part now and then (see the docs' Spec grammar: cross-device defaults)
     cross_device = {"rank": 8}
     scope = "tensor"
     unbiased = False

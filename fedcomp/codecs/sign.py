@@ -252,8 +252,8 @@ class TwoBit(_TernaryRuns, Quantizer):
     Elementwise |error| <= |x|: the remainder stays in the residual (error feedback). ``t`` is an
     absolute value and must be on the scale of what is sent: MXNet's 0.5 is for gradients, while a
     federated round's update is about 1e-3 per weight (digits mlp, mnist cnn-bn), where 0.5 sends
-    nothing until a residual reaches it and then a step of 0.5 (mnist cnn-bn: -72 points against
-    dense). The default 0.001 held within 2 points on both tasks (README, codec families).
+    nothing until a residual reaches it and then a step of 0.5. The default 0.001 suits such
+    updates (see the docs' Results: codec families).
     """
 
     name = "twobit"

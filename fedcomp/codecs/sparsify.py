@@ -312,7 +312,7 @@ class TopK(_CodedIndices):
 
     name = "topk"
     accepts_pieces = True  # a global segment over several tensors is scanned in place (no concatenation)
-    # 10 of 100 clients per round (mnist cnn-bn, 30 rounds, 3 seeds): ratio 0.01 -5.7 points, 0.1 +0.6 (README)
+    # for clients that take part now and then (see the docs' Spec grammar: cross-device defaults)
     cross_device = {"ratio": 0.1}
 
     @dataclass(frozen=True)
@@ -414,11 +414,8 @@ class RandomK(Selector):
     error feedback is off for it (``feedback``): its residual x - (n/k) x_kept would hold
     (n/k - 1) ||x||^2 in expectation and grow every round. Unscaled is the choice with error
     feedback, and what a byte budget moves (``budget_args``: the variance of a rescaled draw grows
-    as the budget shrinks the ratio). The default keeps a tenth, rescaled: mnist cnn-bn, 30 rounds,
-    within a point of dense with every client every round, where the former default, 1% unscaled
-    with error feedback, lost 22 points (47 with 10 of 100 clients per round). With 10 of 100 per
-    round a tenth rescaled lost 2.97 over 3 paired seeds, a quarter 0.97: its cross-device default
-    (README, "Cross-device defaults").
+    as the budget shrinks the ratio). The default keeps a tenth, rescaled; for clients that take
+    part now and then a quarter (see the docs' Spec grammar: cross-device defaults).
     """
 
     name = "randomk"
