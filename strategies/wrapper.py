@@ -26,6 +26,13 @@ broadcasts gets a chain to its tier's next reference; others get the dense model
 the wrapper sends or receives is counted (:func:`fedcomp.msgsize.message_bytes`), per round
 in :class:`RoundStats`.
 
+A hostile client costs only its own reply (:mod:`fedcomp.strategies.guards`, threat model there):
+each train message carries a server token its reply must be bound to, one reply per node and
+message is taken, uploads are bounded by the configured codec's size, replies built on a reference
+the server never sent are dropped, norms and weights are judged against references a minority
+cannot steer, metrics and non-weight state are checked per reply. A server-side encode that fails
+(a tier's step, the coupled sketch step) costs that round's compression: the full model, logged.
+
 Failures are loud: a round whose replies carry no fedcomp payload raises
 :class:`MissingCompressionMod`; ``max_failed_rounds`` consecutive rounds without a usable reply
 raise :class:`NoUsableReplies` with the clients' errors summarised; a global model with NaN or
