@@ -226,11 +226,16 @@ def run(
     and ``download_bytes`` (the round's train replies and messages, Flower message bytes),
     ``upload_bytes_dense``/``download_bytes_dense`` (the same with the model as plain arrays: the
     wrapper's count; the measured bytes for the dense baseline), ``replies``, ``aggregated``,
-    ``finite``; with an ``auto`` upload also ``upload_spec``, ``strength``, ``budget``, ``decision``,
+    ``finite``; wrapped runs also ``sim_time_s`` (links: :mod:`fedcomp.links`); with run config
+    ``link-profile='measured:<profile>'`` (and ``round_deadline_s``) the wrapper is driven by
+    :class:`~fedcomp.strategies.measured.MeasuredLinkStrategy`, as in the project's ServerApp, and
+    rows carry ``link_estimates``; with an ``auto`` upload also ``upload_spec``, ``strength``, ``budget``, ``decision``,
     ``fixed_bytes``. A :class:`fedcomp.FedcompError` ends the run early: ``History.error``.
     """
     import fedcomp
+    from fedcomp import links
     from fedcomp.simulations import client_app, task as tasks
+    from fedcomp.strategies.measured import MeasuredLinkStrategy
 
     _identity()
     tasks.check_task_model(task, model)
@@ -245,6 +250,13 @@ def run(
     strat = build_strategy(strategy, upload, clients=clients, fraction=fraction, lr=lr, seed=seed, **settings)
     cfg = {"seed": seed, "task": task, "model": model, "local-epochs": local_epochs, "lr": lr,
            "batch-size": batch_size, "partition-alpha": alpha, **(run_config or {})}
+    measured = wrapped = upload != DENSE
+    if wrapped and links.measured_profile(str(cfg.get("link-profile", links.NONE))) is not None:
+        # links hidden from the clients (netsim_mod plays them): budgets from what the server measures,
+        # as the project's ServerApp runs link-profile='measured:<profile>'
+        strat = MeasuredLinkStrategy(strat, float(settings.get("round_deadline_s", 0.0)))
+    else:
+        measured = False
     contexts = {100 + p: Context(run_id=1, node_id=100 + p, node_config={"partition-id": p, "num-partitions": clients},
                                  state=RecordDict(), run_config=dict(cfg)) for p in range(clients)}
     grid = InProcessGrid(app if app is not None else client_app.app, contexts, mods)
@@ -253,7 +265,6 @@ def run(
     initial: dict = {}
     rows: list[dict] = []
     final: dict = {}
-    wrapped = upload != DENSE
     compressed = getattr(strat, "compressed", strat)  # AdaptiveStrategy holds its CompressedStrategy
 
     def central(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -279,7 +290,12 @@ def run(
         if wrapped:
             s = strat.rounds[server_round]
             row.update(upload_bytes_dense=s.upload_bytes_dense, download_bytes_dense=s.download_bytes_dense,
-                       aggregated=s.aggregated)
+                       aggregated=s.aggregated, sim_time_s=s.sim_time_s)
+            if measured:  # per node: the estimate sent, the transfers observed, the budgets, the hidden truth
+                row["link_estimates"] = strat.estimates_of(server_round)
+                true_time = strat.true_round_time(server_round)
+                if true_time is not None:
+                    row["sim_time_s_estimated_links"], row["sim_time_s"] = row["sim_time_s"], true_time
         if observe is not None:
             row.update(observe(server_round, state))
         rows.append(row)

@@ -18,6 +18,10 @@ Writes ``<out>/links.json`` (per node per round: estimate, budget, declared budg
 the upload met the deadline) and ``<out>/links.png`` (relative error per round, per preset).
 
     python -m fedcomp.simulations.link_study
+    python -m fedcomp.simulations.link_study --in-process --clients 10 --rounds 10   # the real mod and wrapper
+
+The first is a model of the estimator alone (no training, no messages); ``--in-process`` and
+``--results`` summarize runs of the real app path (``link-profile='measured:mixed'``).
 """
 
 from __future__ import annotations
@@ -77,16 +81,14 @@ def summarize(rows: list[dict], tol: float = 0.10) -> dict:
             "uploads_on_time": on_time, "within_10pct_from_round_5": sum(later) / len(later) if later else None}
 
 
-def from_results(path: str, tol: float = 0.10) -> dict:
-    """The same summary from a Flower run with hidden links (``link-profile='measured:<profile>'``): the
-    ``link_estimates`` of its results.json. Client-rounds whose declared-link budget is 0 (the
-    measured compute alone ran past the deadline: no budget to compare) are left out of the error."""
-    p = Path(path)
-    data = json.loads((p / "results.json" if p.is_dir() else p).read_text())
-    rows = [{**e, "on_time": not e.get("late", False)} for r in data["rounds"] for e in r.get("link_estimates", [])
+def summarize_estimates(rounds: list[dict], tol: float = 0.10) -> dict:
+    """The summary of a run with hidden links from its round records' ``link_estimates``. Client-rounds
+    whose declared-link budget is 0 (the measured compute alone ran past the deadline: no budget to
+    compare) are left out of the error."""
+    rows = [{**e, "on_time": not e.get("late", False)} for r in rounds for e in r.get("link_estimates", [])
             if "true_link" in e]
     if not rows:
-        raise SystemExit(f"{path}: no link_estimates with a true link: run with link-profile='measured:<profile>'")
+        raise ValueError("no link_estimates with a true link: run with link-profile='measured:<profile>'")
     compared = [r for r in rows if r.get("declared_budget")]
     summary = summarize(compared, tol)
     summary["uploads_on_time"] = sum(r["on_time"] for r in rows) / len(rows)
@@ -94,9 +96,37 @@ def from_results(path: str, tol: float = 0.10) -> dict:
     return summary
 
 
+def from_results(path: str, tol: float = 0.10) -> dict:
+    """The same summary from a Flower run with hidden links (``link-profile='measured:<profile>'``): the
+    ``link_estimates`` of its results.json."""
+    p = Path(path)
+    data = json.loads((p / "results.json" if p.is_dir() else p).read_text())
+    try:
+        return summarize_estimates(data["rounds"], tol)
+    except ValueError as exc:
+        raise SystemExit(f"{path}: {exc}") from None
+
+
+def in_process(clients: int, rounds: int, deadline_s: float, profile: str = "mixed", seed: int = 0,
+               upload: str = "topk(ratio=0.01,index='fixed')+qsgd(bits=4)", tol: float = 0.10) -> dict:
+    """The summary of a run through the experiment harness (:func:`fedcomp.simulations.harness.run`,
+    the project's ServerApp's measured-link path: ``MeasuredLinkStrategy`` around the wrapper, the
+    ClientApp's ``netsim_mod`` playing the hidden links), digits ``mlp``."""
+    from fedcomp.simulations import harness
+
+    h = harness.run(upload, rounds=rounds, clients=clients, seed=seed, download="none()",
+                    round_deadline_s=deadline_s, run_config={"link-profile": f"measured:{profile}"})
+    summary = summarize_estimates(h.rows, tol)
+    summary["accuracy"], summary["error"] = h.accuracy, h.error
+    return summary
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", help="summarize a Flower run with hidden links (its results.json or directory) instead")
+    ap.add_argument("--in-process", action="store_true",
+                    help="instead: a digits run with hidden links through the experiment harness (--clients, --rounds, "
+                         "--deadline-s), summarized as --results")
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--deadline-s", type=float, default=12.0)
@@ -106,13 +136,14 @@ def main(argv=None) -> None:
                     help="relative error of measured times (and the compute's jitter); one run each, the first plotted")
     ap.add_argument("--out", default="results/adapt")
     args = ap.parse_args(argv)
-    if args.results:
-        s = from_results(args.results)
+    if args.results or args.in_process:
+        s = from_results(args.results) if args.results else in_process(args.clients, args.rounds, args.deadline_s)
         settle = sorted(s["rounds_to_within_10pct"].values())
-        print(f"{args.results}: {s['client_rounds']} client-rounds ({s['compared']} with a declared-link budget > 0); "
-              f"every node's budget within 10% of its declared-link budget from round {settle[-1]} on (90% of nodes: "
-              f"round {settle[int(0.9 * len(settle))]}); within 10% from round 5: "
-              f"{100 * s['within_10pct_from_round_5']:.1f}%; uploads within the true link's deadline: "
+        late = s["within_10pct_from_round_5"]
+        print(f"{args.results or 'in process'}: {s['client_rounds']} client-rounds ({s['compared']} with a "
+              f"declared-link budget > 0); every node's budget within 10% of its declared-link budget from round "
+              f"{settle[-1]} on (90% of nodes: round {settle[int(0.9 * len(settle))]}); within 10% from round 5: "
+              f"{'n/a' if late is None else f'{100 * late:.1f}%'}; uploads within the true link's deadline: "
               f"{100 * s['uploads_on_time']:.2f}%")
         return
     runs = {j: simulate(args.clients, args.rounds, args.deadline_s, args.download_bytes, args.max_upload, j)

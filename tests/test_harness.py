@@ -110,3 +110,17 @@ def test_delta_study_runs_the_real_mod_and_wrapper():
     assert errors == [pytest.approx(0.040, abs=5e-4), pytest.approx(0.009, abs=5e-4)]
     ((r, cos),) = consecutive_cosines(rounds=5, clients=2)
     assert r == 5 and 0 < cos < 1
+
+
+def test_hidden_links_run_the_servers_measured_path():
+    """run config link-profile='measured:mixed': MeasuredLinkStrategy around the wrapper, netsim_mod
+    playing the links, as the project's ServerApp runs it; link_study summarizes the rows."""
+    from fedcomp.simulations.link_study import summarize_estimates
+
+    h = harness.run("topk(ratio=0.01,index='fixed')+qsgd(bits=4)", rounds=2, clients=2, download="none()",
+                    round_deadline_s=12.0, run_config={"link-profile": "measured:mixed"})
+    assert h.error is None
+    assert all(len(r["link_estimates"]) == 2 and r["sim_time_s"] > 0 for r in h.rows)
+    assert all("true_link" in e and e["budget"] >= 1 for r in h.rows for e in r["link_estimates"])
+    summary = summarize_estimates(h.rows)
+    assert summary["client_rounds"] == 4 and 0 <= summary["uploads_on_time"] <= 1
