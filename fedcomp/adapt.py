@@ -11,25 +11,14 @@ clients receive as their upload spec (:mod:`fedcomp.strategies.adaptive` for Flo
 :mod:`fedcomp.simulations.sweep` in-process). Bounds and start are the same rule for every task
 (:class:`AdaptSettings`): the highest budget is the dense payload / 30; the lowest, where the first
 round starts, the dense payload / 5000, raised after the first round to 0.6x the bytes the upload
-message carries besides its payload (framing, the app's metrics, statistics sent exact), measured
-from the replies (:meth:`AutoStrength.observe_message`).
+message carries besides its payload (framing, the app's metrics, statistics sent exact), as seen
+in the replies (:meth:`AutoStrength.observe_message`).
 
-Why that floor: with error feedback, a stronger compression delays information rather than losing
-it, so cumulative bytes to an accuracy fall with the ratio until the run runs out of rounds (the
-100-round digits study: on both models every halving of the top-k ratio from 0.01 to 0.0005 cut the
-bytes to target). What a halving saves, though, is a share of the *message*: with payload ``p`` and
-fixed bytes ``F``, ``p / 2 / (p + F)``. Where ``p >= 0.6 F`` a halving saves a fifth or more of the
-bytes per round; below, less and less, while training slows as much as anywhere: there the floor
-stops. On a large model (digits ``mlp-large``, 2.2M parameters: ``F`` ~565 B against a 1.7 kB
-payload) the dense / 5000 bound rules (ratio ~0.0004); on a small one (``mlp``, 234k: 0.6 x ~520 B
-is 312 B, ratio ~0.00056) or one whose BatchNorm statistics travel exact (``cnn-bn``) the fixed
-bytes do. The first policy had one floor, dense / 3000, for every model: right for ``mlp``, too weak
-for ``mlp-large``, where it spent 21% more bytes to the target than a fixed ``ratio=0.0005``;
-dense / 6000 for every model missed the target on ``mlp`` (results/adapt/notes.md).
-Limit (see the docs' How-to: closed loop): between the floor and a stall the controller holds, so
-``auto`` costs about what the fixed ratio at its floor costs plus its trials: it ties with the fixed
-ratio nearest the floor (mnist cnn-bn 0.001: 1.4% fewer bytes) and loses to one just below it
-(mlp-large 0.00035: 10% more).
+Why that floor: with error feedback a stronger compression delays information rather than losing
+it, but a halving of the payload ``p`` saves only ``p / 2 / (p + F)`` of a message with fixed bytes
+``F``; below ``p = 0.6 F`` that share shrinks while training slows as much as anywhere. Between the
+floor and a stall the controller holds, so ``auto`` costs about what the fixed ratio at its floor
+costs plus its trials (see the docs' How-to: closed loop, which has the figures).
 
 Accuracy-driven (:class:`StrengthController`): the signal is the server-side evaluation after
 each round (accuracy, or minus the loss). It is averaged over windows of `window` rounds (a

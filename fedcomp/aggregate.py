@@ -1,42 +1,18 @@
-"""Server-side aggregation: replies streamed into one weighted sum, checked before they count.
+"""Server-side aggregation: replies streamed into one weighted float64 sum, checked before they count.
 
-The data path of one reply (used alike by ``CompressedStrategy``, the sweep and the benchmarks):
+`Accumulator.add` reads and checks a whole payload (checksum, every count and index, finite
+values; `check_weight` and `NormGuard` for the weight and the norm) before anything is added, so
+a bad reply raises `AggregationError` / `DecodeError` and leaves the sum unchanged. Sparse replies
+stay sparse and dense ones compact (packed codes, low-rank factors): their values are built
+``CHUNK`` elements at a time as they are added, and dense replies wait in small batches that are
+added in one pass over the sum. Float tensors sum in float64, where ``weight x value`` is exact for
+fp32/fp16/bf16 values and integer weights below 2**29, so the sum does not depend on the order
+replies arrive in. `Accumulator.apply_mean` returns ``reference + sum / total weight`` in the
+reference's dtypes through `fedcomp.steps.apply_step`.
 
-1. :meth:`Accumulator.decode` reads and checks the whole payload with the codec's own reader
-   (:meth:`fedcomp.Codec.decode_parts`: checksum, fingerprints, every count and index) and
-   rejects non-finite values, so a bad payload raises before anything is added. Selectors
-   (top-k, threshold, random-k, DGC) stay sparse (positions + values, O(k) memory). Every other
-   codec stays compact: a quantizer's codes stay packed (:class:`fedcomp.codecs.values.Values`),
-   PowerSGD's factors stay factors; their dense values are built ``CHUNK`` elements at a time
-   to add them, never the whole reply. The check (finiteness, the norm) reads the codes, not the
-   values, where it can: linear quantizers' sums of squares from exact integer sums of their codes
-   per block, sign and ternary codes from counts, PowerSGD's from its factors; that is the norm of
-   the exact values, within ~1e-7 relative of the fp32 values' (a value's fp32 rounding), and a
-   block whose values could overflow fp32 is built value by value.
-2. :func:`check_weight` and :class:`NormGuard` decide whether it counts (the weight must be a
-   finite positive number; the update's L2 norm must not exceed a bound relative to the round's
-   median norm, or an absolute one).
-3. :meth:`Accumulator.add_update` adds ``weight * update`` to the sum: scatter-add at the kept
-   positions for sparse updates, chunk by chunk otherwise. Dense replies wait in small batches
-   (``Accumulator(batch=8)``, compact: their codes are views of their payloads) and a batch is
-   added in one pass over the sum, each chunk of the sum taking every waiting reply in arrival
-   order, so the sum's memory traffic (16 bytes per element and pass) is paid once per batch.
-   Float tensors sum in float64, where ``weight x value`` is exact for fp32/fp16/bf16 values and integer weights below 2**29,
-   so the sum does not depend on the order replies arrive in and float64 models are not
-   truncated; integer tensors also sum in float64 (exact below 2**53).
-4. :meth:`Accumulator.apply_mean` returns ``reference + sum / total weight`` in the reference's
-   dtypes through :func:`apply_step`, the one "apply a step to a reference" function of fedcomp
-   (broadcasts use it too), and frees the sum tensor by tensor.
-
-Where the quantizer reads runs (kbit, qsgd, sign, twobit, terngrad, fp16/bf16, none; CPU, numba),
-a reply is read at once (:meth:`fedcomp.Codec.read_run`) and its check and the batch's add are one
-compiled call each over every segment (:class:`fedcomp.codecs.fastpath.RunReply`), with the sums and
-norms of the per-segment path: the per-segment Python (~80 us per tensor and reply) is gone.
-
-Working memory: the float64 sum (two fp32 model copies, one float64 tensor each) plus
-chunk-sized temporaries, whatever the number of replies. One dense reply more where a codec has
-no chunked reader: codecs other than :class:`fedcomp.Codec` (policy codecs). Chunked or whole, the
-sums have the same bits (elementwise arithmetic in the same order).
+Where the quantizer implements `fedcomp.codecs.fastpath.RunCodec` (CPU, numba), a reply is read,
+checked and added in one compiled call each, with the same sums. Working memory: the float64 sum
+plus chunk-sized temporaries, whatever the number of replies.
 """
 
 from __future__ import annotations
@@ -61,17 +37,14 @@ from fedcomp.wire import host_zeros
 
 CHUNK = 1 << 20  # elements per step of chunked loops: temporaries of 8 MB at most
 BATCH = 8  # replies whose fused adds share one pass over the float64 sum (Accumulator(batch=...))
-# payload bytes that may wait for that pass, in float64 sums' worth: fp32 replies go eight at a
-# time (none() decode + acc at 25M: 2.6-2.7 read passes a reply, against 2.9-3.0 four at a time and
-# 3.0 two at a time, 2026-11-26: each pass over the sums reads and writes 16 bytes an element). A
-# server holds a round's replies anyway (Flower returns them together); this bounds what an
-# Accumulator keeps alive for a caller that drops each payload after add().
+# payload bytes that may wait for that pass, in float64 sums' worth (each pass over the sums reads
+# and writes 16 bytes an element, so fewer passes win; see the docs' Results: performance). A server
+# holds a round's replies anyway; this bounds what an Accumulator keeps alive for a caller that
+# drops each payload after add().
 PENDING_SUMS = 4
 SUM_CHUNK = 1 << 18  # elements of the sum per step of that pass (2 MB of float64: in the cache)
-# a quantizer's run replies (fp32 codes or values streamed from memory) add into 512 kB of the sum at
-# a time, in L2: none() decode + acc at 25M 2.55x -> 2.32x, fp16 2.16x -> 2.04x, kbit4 2.21x -> 2.13x
-# (alternating in one process, 2026-11-26 13:30-13:35 UTC); sparse replies measured slower so
-# (random-k 1.99x -> 2.12x) and keep SUM_CHUNK
+# a quantizer's run replies (codes or values streamed from memory) add into 512 kB of the sum at a
+# time, in L2; sparse replies were slower so and keep SUM_CHUNK (see the docs' Results: performance)
 RUN_SUM_CHUNK = 1 << 16
 MAX_WEIGHT = float(2**53)  # largest weight accepted at all: beyond it counts are not exact in float64
 
@@ -549,8 +522,8 @@ class Accumulator:
         if not math.isfinite(self.total_weight + w):
             raise AggregateOverflow(f"total weight {self.total_weight:g} + {w:g} overflows")
         if self._sums is None:  # allocated at the first reply of a round, freed by apply_mean
-            # CPU sums from calloc where large (wire.host_zeros): torch.zeros wrote 200 MB of fresh
-            # 4 kB pages for a 25M-parameter model, ~23 read passes of it a round (2026-11-26)
+            # CPU sums from calloc where large (wire.host_zeros): torch.zeros would write every
+            # fresh 4 kB page of them
             self._sums = {name: host_zeros(numel, torch.float64) if self.device.type == "cpu"
                           else torch.zeros(numel, dtype=torch.float64, device=self.device)
                           for name, (_, numel) in self._offsets.items()}
@@ -564,8 +537,7 @@ class Accumulator:
         if update.held is not None or self._batchable(update):
             self._pending.append((update, w))
             # what waits: payloads up to PENDING_SUMS float64 sums' worth; decoded sparse replies
-            # (fresh memory, unlike payloads) up to a quarter of that: at a tenth kept, batches of
-            # about 4 measured 2.9 read passes a reply against 3.4 for 7 (25M elements, 2026-11-23)
+            # (fresh memory, unlike payloads) up to a quarter of that (smaller batches were faster)
             held = 0 if update.held is None else sum(t.nbytes for t in update.held)
             self._pending_bytes += 2 * PENDING_SUMS * held or update.nbytes
             if len(self._pending) >= self.batch or self._pending_bytes >= 8 * PENDING_SUMS * self._numel:

@@ -27,7 +27,7 @@ from fedcomp.spec import parse_spec
 from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, arena, header, open_payload, output_empty, output_like
 
 _MASK64 = (1 << 64) - 1
-DECODE_CHUNK = 1 << 20  # elements per step of a run decode (aggregate.CHUNK's; 2**16 measured the same)
+DECODE_CHUNK = 1 << 20  # elements per step of a run decode (aggregate.CHUNK's)
 
 
 def derive_nonce(*parts: int) -> int:
@@ -244,8 +244,8 @@ class Codec:
                 x = t  # its own shape, into the run below: write_run reads contiguous tensors of any shape
             else:
                 parts = [values[i].detach().reshape(-1).resolve_neg() for i in group]  # views where contiguous
-                # a half / float64 tensor's fp32 copy in huge pages where large (a fresh 100 MB torch
-                # tensor faults 25,600 4 kB pages: a bf16 25M encode measured 12.7x a read pass)
+                # a half / float64 tensor's fp32 copy in huge pages where large (a fresh torch
+                # tensor faults page by page)
                 parts = [p if p.dtype == torch.float32 else output_like(p, torch.float32).copy_(p) for p in parts]
                 if len(parts) == 1:
                     x = parts[0]
@@ -438,8 +438,8 @@ class Codec:
         anything model-sized is allocated): every float tensor's values in one compiled call, into
         one allocation (:class:`fedcomp.wire.arena`), the values the per-segment decode gives.
 
-        Why: the per-segment decode costs ~30 us of Python a tensor; a ResNet-50's 161 tensors
-        measured ~1.3 read passes of its values beside the loops' ~2.5."""
+        Why: the per-segment decode costs tens of microseconds of Python a tensor, which adds up on
+        models with many tensors (see the docs' Results: performance)."""
         floats = [t.numel for t in layout.tensors if t.is_float]
         with arena(0), arena.fp32(floats):
             outs = [output_empty(n) for n in floats]

@@ -17,7 +17,7 @@ Used only for CPU tensors and only where numba is installed (:func:`get` returns
 otherwise, or when ``FEDCOMP_KERNELS=0``); every caller keeps its torch path, which CUDA tensors
 always take. numba is imported on first use, never at ``import fedcomp``; compiled loops are
 cached on disk (``cache=True``), so a fresh process loads them instead of compiling, but the
-first call still costs ~1.5 s (see :func:`for_encode`).
+first call still costs over a second (see `for_encode`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def get():
     if not _TRIED:
         _TRIED = True
         try:
-            from fedcomp import _numba_kernels as k
+            from fedcomp import _kernels as k
         except ImportError:  # numba is a declared dependency; without it the torch paths run
             k = None
         _KERNELS = k
@@ -59,10 +59,8 @@ def for_encode():
     simulation worker) or ``FEDCOMP_KERNELS=1``; None otherwise.
 
     Why not import them: Flower starts one ClientApp process per message, and a fresh process
-    pays ~0.35 s for ``import numba`` plus ~1.3 s at the first kernel call (numba's registries,
-    which import scipy.linalg), measured on this project's machine; the encode of a 25M-element
-    update saves ~0.1 s (~0.2-0.3 s for the stochastic roundings: qsgd 257 ms on the torch path
-    against 35 ms). The bytes are the same either way."""
+    pays more than a second for ``import numba`` and the first kernel call, more than the loops
+    save on one encode (see the docs' Results: performance). The bytes are the same either way."""
     m = mode()
     if m == "0":
         return None
@@ -77,8 +75,8 @@ _LOCAL = threading.local()
 def scratch(n: int, dtype) -> np.ndarray:
     """A reused buffer of at least ``n`` elements of ``dtype`` (per thread; contents undefined).
 
-    Why: on Linux a fresh multi-MB buffer is mapped anew and every 4 kB page faults on first touch;
-    on this project's machines that costs ~6 ms per 4 MB, more than the loop that fills it."""
+    Why: on Linux a fresh multi-MB buffer is mapped anew and every 4 kB page faults on first touch,
+    which can cost more than the loop that fills it."""
     key = np.dtype(dtype).char
     bufs = getattr(_LOCAL, "bufs", None)
     if bufs is None:
@@ -93,7 +91,7 @@ def scratch(n: int, dtype) -> np.ndarray:
 def crc32_function() -> int | None:
     """The address of ISA-L's ``crc32_gzip_refl`` (``uint32 f(uint32 crc, const uint8 *buf,
     uint64 len)``: zlib's ``crc32(buf, crc)``, as :mod:`fedcomp.wire` computes it), for compiled
-    loops that checksum what they read (``_numba_kernels.raw_crc_sq_run``); None where ``isal``'s
+    loops that checksum what they read (``fedcomp._kernels.raw_crc_sq_run``); None where ``isal``'s
     module does not export it (then callers checksum in a pass of their own). Checked once
     against zlib on a few lengths before it is used (once: the result is cached)."""
     import ctypes

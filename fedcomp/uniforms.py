@@ -14,21 +14,20 @@ element's index in the segment)::
     u_i = (h >> 8) / 2**24                                                       # in [0, 1), 24 bits
 
 A Weyl sequence through a bijective 32-bit mixer (Wellons' ``lowbias32``), 32-bit rather than
-splitmix64's 64-bit arithmetic because AVX2 has no 64-bit vector multiply (measured on this
-project's machine: the 64-bit mixer alone 4.6 read passes, this one ~2). k1 enters after the Weyl
+splitmix64's 64-bit arithmetic because AVX2 has no 64-bit vector multiply (about twice as fast
+here). k1 enters after the Weyl
 step, so streams of different keys are different sequences, not shifts of one. The stream
 repeats after 2**32 elements of one segment (16 GB of fp32; no update is that large). u_i is a
 multiple of 2**-24, as an fp32 ``torch.rand`` value is. The fused CPU loops
-(:mod:`fedcomp._numba_kernels`, ``_u24w``) and :func:`fill` (torch int32 ops: CUDA tensors, no
+(`fedcomp._kernels.hashing`, ``_u24w``) and :func:`fill` (torch int32 ops: CUDA tensors, no
 numba, ``FEDCOMP_KERNELS=0``) give the same bits, so a payload's bytes do not depend on which
 path encoded it.
 
 Half-width uniforms (TernGrad's draws, :func:`fill16`): the two 16-bit halves of one hash serve
 two elements, m_i = (h_(i >> 1) >> 16 * (i & 1)) & 0xFFFF (the low half for the even element), and
 u_i = (m_i + 1/2) / 2**16: centred in its 2**-16 cell. The stream repeats after 2**33 elements.
-Why: TernGrad's codes loop is compute-bound and the hash was 11 of its 16 vector operations per
-16 values; a hash per two values took the loop from ~1.6 to ~1.3 read passes of 25M values
-(2026-11-26, this project's machine). What it costs: P(u_i * s < a) is a / s rounded to the
+Why: TernGrad's codes loop is compute-bound and the hash was most of its vector operations; a
+hash per two values speeds it up (see the docs' Results: performance). What it costs: P(u_i * s < a) is a / s rounded to the
 nearest multiple of 2**-16 (2**-24 before), a bias of at most min(|x|, s * 2**-17) per element,
 either way, so it averages out over values spread across the cells (plus the rounding of the fp32
 product u * s, which dominates for a subnormal s, below ~1.2e-38, as it did with 24 bits). Why centred: with

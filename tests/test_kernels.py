@@ -377,7 +377,7 @@ class _FakeDispatcher:
         self.seen, self.inner, self.fail = [], inner, fail
 
     def compile(self, sig):
-        from fedcomp import _numba_kernels as nk
+        from fedcomp._kernels import core as nk
         self.seen.append(nk._width[0])
         if self.inner is not None:
             self.inner.compile(sig)
@@ -387,7 +387,7 @@ class _FakeDispatcher:
 
 
 def test_vector_width_is_set_for_the_compile_and_restored():
-    from fedcomp import _numba_kernels as nk
+    from fedcomp._kernels import core as nk
     inner = nk._vector_width(_FakeDispatcher(), 0)  # nested at another width, then back
     outer = nk._vector_width(_FakeDispatcher(inner), nk._WIDTH)
     assert outer.compile("sig") == "sig"
@@ -435,7 +435,7 @@ def test_software_half_conversions_are_the_hardwares_bits():
     instructions where it has them; else the fp16 values torch converts)."""
     from numba import njit
 
-    import fedcomp._numba_kernels as nk
+    import fedcomp._kernels.core as nk
 
     def converter(up, down):  # one loop per pair (the hardware's must not compile where it has none)
         @njit
@@ -476,7 +476,7 @@ def test_loops_compile_and_run_without_f16c(tmp_path, monkeypatch):
         pytest.skip("an x86 feature set")
     specs = ["fp16()", "kbit(bits=4)", "none()"]
     code = _FRESH_COMPILE + """
-from fedcomp import _numba_kernels as nk
+from fedcomp._kernels import core as nk
 from fedcomp.aggregate import Accumulator
 assert not nk._hardware_half() and nk._half_f32 is nk._half_f32_soft
 layout = fedcomp.Layout.of({"h": torch.zeros(3000, dtype=torch.float16)})

@@ -218,7 +218,7 @@ def test_selectors_reading_ascending_positions_skip_the_ordering_pass(spec, monk
 
 # -- raw replies: the checksum taken while the values are summed (Codec.read_run(sq_chunk=...)) --
 def _big_model(seed: int) -> dict[str, torch.Tensor]:
-    from fedcomp import _numba_kernels as k
+    from fedcomp import _kernels as k
 
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(71, 47, generator=g), "one": torch.randn(1, generator=g),
@@ -266,7 +266,7 @@ def test_a_raw_reply_is_checksummed_while_it_is_summed(spec, monkeypatch):
 def test_the_fused_checksum_covers_bytes_between_segments():
     import numpy as np
 
-    from fedcomp import _numba_kernels as k
+    from fedcomp import _kernels as k
 
     rng = np.random.default_rng(0)
     body = rng.standard_normal(700_000).astype(np.float32).view(np.uint8)

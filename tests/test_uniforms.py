@@ -148,7 +148,7 @@ def test_reseeded_generators_draw_each_segments_own_keys():
 
 @pytest.mark.skipif(kernels.get() is None, reason="numba not installed")
 def test_compiled_stream_keys_are_the_keys_torch_draws():
-    """``_numba_kernels.stream_keys`` (MT19937's 2nd and 4th outputs) against torch's generator."""
+    """``fedcomp._kernels.stream_keys`` (MT19937's 2nd and 4th outputs) against torch's generator."""
     import numpy as np
 
     from fedcomp.base import StageContext

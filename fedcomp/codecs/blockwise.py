@@ -344,7 +344,7 @@ def _shifted_sum(sums, ks, top: int, power: int) -> int:
 
 def _row_range(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(min, max) of each row, with the bits ``torch.aminmax`` gives (kbit's range; the one-by-one
-    encode's ``min``/``max`` agree). On the CPU ``aminmax`` over rows measured 14x slower than
+    encode's ``min``/``max`` agree). On the CPU ``aminmax`` over rows is much slower than
     ``amin`` and ``amax`` apart, which may return either zero of a row holding +0 and -0 and a
     canonical NaN: rows whose min or max is a zero or NaN are taken again by ``aminmax``."""
     if rows.device.type != "cpu":
@@ -359,7 +359,7 @@ def _row_range(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _qstats_torch(x: torch.Tensor, width: int, qbits: int, sums: bool, absolute: bool = False):
     """Per row of ``width`` elements of x (the last one zero padded, which changes neither max |x|
     nor the sums), in torch ops (any device), the numbers of the fused loop
-    (``_numba_kernels._block_qsums``): numpy arrays (amax fp32, ks, s1, s2) with, for ``sums``,
+    (``fedcomp._kernels._block_qsums``): numpy arrays (amax fp32, ks, s1, s2) with, for ``sums``,
     the exact integer sums of q = rint(x * 2**ks) (ks = qbits - exponent of the row's max |x|,
     0 for a zero row): s1 = sum q, s2 = sum q^2, or s1 = sum |q|, s2 = 0 (``absolute``). A row
     with a value not finite: amax inf or NaN, ks = s1 = s2 = 0."""

@@ -90,9 +90,8 @@ def write_run(quantizer: RunCodec, xs: list[torch.Tensor], out: Writer, gen) -> 
     bytes of ``write_values`` on each in turn. ``gen(i)`` gives segment i's generator (seeded only
     where the quantizer draws from it; valid until the next ``gen`` call).
 
-    Why: writing one segment costs ~100 us of Python beside its loops (buffers, views, calls);
-    a ResNet-50 has 161 tensors, 119 of them below 65,536 elements: ~16 ms a round, about two
-    read passes of its 25.6M values. A segment the kernel refuses (a value not finite, ...) is
+    Why: writing one segment costs about 100 us of Python beside its loops, which adds up on
+    models with many small tensors. A segment the kernel refuses (a value not finite, ...) is
     written the one-by-one way into its place."""
     k = kernels.for_encode()
     sizes = np.fromiter((quantizer.nbytes(x.numel()) for x in xs), dtype=np.int64, count=len(xs))
@@ -187,7 +186,7 @@ def _block_params(body: np.ndarray, offs: np.ndarray, nb: np.ndarray, per: int) 
 class _BlockRuns(RunCodec):
     """Reading runs of blockwise codes (kbit, qsgd, sign): per segment ``_run_per`` fp32 parameters
     per block of ``_run_block`` elements, then codes of ``_run_bits`` bits; ``_run_kind`` names
-    the per-block values in the kernels (``_numba_kernels.BLOCK_KBIT``, ...)."""
+    the per-block values in the kernels (``fedcomp._kernels.BLOCK_KBIT``, ...)."""
 
     _run_block_field = "block"  # the config field of elements per block (qsgd's is "bucket")
 
@@ -211,7 +210,7 @@ class _BlockRuns(RunCodec):
         return rows
 
     def _run_scratch(self, chunk: int, ns: np.ndarray) -> np.ndarray:
-        """Codes of a chunk read from the start of its aligned unit (``_numba_kernels._geometry``:
+        """Codes of a chunk read from the start of its aligned unit (``fedcomp._kernels._geometry``:
         8 blocks where a segment has several, else 8 codes). (Sized by the block alone, a block
         larger than any tensor asked for block * 8 bytes: 745 GB for block=1e11.)"""
         block = self._run_block
@@ -256,7 +255,7 @@ class _RawRuns(RunCodec):
 
     def crc_sq(self, run: RunReply, chunk: int, fn: int, payload: bytes) -> None:
         """Verify the payload's CRC32 and compute ``run.sq(chunk)`` in one read of the values
-        (``_numba_kernels.raw_crc_sq_run``: each part summed, then checksummed from cache; ``fn``:
+        (``fedcomp._kernels.raw_crc_sq_run``: each part summed, then checksummed from cache; ``fn``:
         :func:`fedcomp.kernels.crc32_function`); :class:`DecodeError` on a checksum mismatch.
         The header and what follows the values (integer tensors) are checksummed here."""
         view = memoryview(payload).cast("B")

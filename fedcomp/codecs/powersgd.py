@@ -221,8 +221,8 @@ class PowerSGD(Reducer):
         if values.device.type == "cpu" and values.dtype == torch.float32 and (k := kernels.for_encode()) is not None \
                 and not bool(torch.isnan(values).any()):
             # the compiled loop where it is loaded (a client's decode does not import numba for it),
-            # into a buffer of the decode's arena: the rank-1 terms into fresh torch memory, ~18 read
-            # passes of the result on one thread (25M fp32, 2026-11-26), were most of a dense decode.
+            # into a buffer of the decode's arena (the rank-1 terms into fresh torch memory were most
+            # of a dense decode).
             # Factors holding a NaN take torch's ops: where two NaNs meet, the loop and torch keep
             # different ones' sign and payload bits (NaNs made here, from inf, are all the one default NaN)
             out = output_empty(n * m)

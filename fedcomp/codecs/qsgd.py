@@ -40,8 +40,8 @@ class QSGD(_BlockRuns, _EntropyCoded, Quantizer):
 
     ``norm="l2"`` is the paper's scaling: E||Q(v) - v||^2 <= min(d / s^2, sqrt(d) / s) ||v||^2,
     which exceeds ||v||^2 for buckets larger than s^2 elements. Such a compressor is not
-    contractive, and error feedback on top of it diverges (measured: top-k 1% + 4-bit l2 QSGD
-    with error feedback falls to chance accuracy on digits). ``norm="max"`` (the default) scales
+    contractive, and error feedback on top of it diverges (top-k 1% + 4-bit l2 QSGD with error
+    feedback fell to chance accuracy on digits). ``norm="max"`` (the default) scales
     by the bucket's max |v|, so levels are spread over the values' actual range; still
     unbiased, with E(Q(v_j) - v_j)^2 <= max|v|^2 / (4 s^2).
     """

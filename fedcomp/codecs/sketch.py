@@ -17,10 +17,10 @@ default (``fedcomp.strategies.config``). One row of n/64 fp32 cells instead (the
 whole value when the cell is a heavy hitter, 64 coordinates at a time. A spec that names ``cols``
 keeps it, 5 rows, ``ratio=0.005`` and fp32 cells (the former defaults), so specs written before
 the scaling are the same codec (``sketch(cols=1000)`` is still ``sketch(rows=5,cols=1000,ratio=0.005,seed=0)``).
-With automatic cols the heavy hitters' share is 0.02: on mnist ``cnn-bn``, 100 clients at 10% per
-round, 0.005 lost 12.5 points against dense and 0.02 lost 1.8 (``results/families``).
+With automatic cols the heavy hitters' share is 0.02 (smaller shares lost accuracy across
+devices; see the docs' Results: codec families).
 
-Hashes (payload format 2, since 2026-11-26): h_r(j) and s_r(j) come from the counter hash of j in
+Hashes (payload format 2): h_r(j) and s_r(j) come from the counter hash of j in
 row r's stream (:mod:`fedcomp.uniforms`), computed chunk by chunk where the data is; payloads of
 format 1 (tables drawn from a CPU ``torch.Generator``) still decode with theirs.
 
@@ -46,9 +46,8 @@ from fedcomp.wire import Reader, Writer, host_empty, host_zeros
 
 HASH_CACHE = 1 << 21  # hash entries (rows x elements) kept as tables; larger segments regenerate them
 HASH_CHUNK = 1 << 18  # hash entries per regenerated chunk (temporaries of about 4 MB)
-# ... on a GPU (format 2): ~15 torch ops per row and chunk are each a kernel launch, so chunks of
-# HASH_CHUNK made `rows=5` at 25M 763 chunks, launch-bound (703 ms on an H200, 2026-11-26); this
-# many entries a chunk is ~50 MB of temporaries and 16x fewer launches
+# ... on a GPU (format 2): each torch op per row and chunk is a kernel launch, so larger chunks
+# (~50 MB of temporaries) keep it from being launch-bound (see the docs' Results: performance)
 DEVICE_HASH_CHUNK = 1 << 22
 # estimates ranked per torch.topk call when unsketching (its scratch: 16 bytes an estimate); every
 # model of the project's tasks (up to 1.2M floats) is one chunk, as before chunking
@@ -68,7 +67,7 @@ class CountSketch(Reducer):
 
     name = "sketch"
     linear = True
-    # payload format: 2 = counter hashes (_row_keys; since 2026-11-26); 1 = tables drawn from a
+    # payload format: 2 = counter hashes (_row_keys); 1 = tables drawn from a
     # torch.Generator (read still: a format-1 payload decodes with its own hashes; a server that
     # sums sketches refuses it, as a sum of tables under two hashes means nothing)
     wire_version = 2
@@ -133,10 +132,10 @@ class CountSketch(Reducer):
         return REGISTRY["qsgd"].from_args({"bits": 4})
 
     # -- hashing ----------------------------------------------------------------------------
-    # Format 2 (the default since 2026-11-26): element j of row r goes to cell (h * cols) >> 32
+    # Format 2 (the default): element j of row r goes to cell (h * cols) >> 32
     # with the sign - where h is odd, h the 32-bit counter hash of j in row r's stream
     # (:func:`_row_keys`; :mod:`fedcomp.uniforms`' hash), computed where the data is (torch int32
-    # ops on any device, or inside the compiled loop of ``_numba_kernels.sketch_add``). Why: the
+    # ops on any device, or inside the compiled loop of ``fedcomp._kernels.sketch_add``). Why: the
     # format-1 tables below are torch.randint draws from a CPU generator, ~40 read passes of a
     # 25M-element update per encode on one thread, generated on the CPU even for a CUDA update
     # (1.5 s on an H200 for 25M elements), where these hashes cost ~8 in torch ops and ~1-2 in

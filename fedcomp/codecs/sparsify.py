@@ -457,9 +457,8 @@ class RandomK(Selector):
     def _draw(self, n: int, ctx: StageContext, seg: Segment, version: int, load: bool = True) -> torch.Tensor:
         """The kept positions, ascending (CPU: the same whatever the device). Format 3: one in
         each of k equal strata (:func:`fedcomp.uniforms.strata`, a hash per kept element); format
-        2 (payloads of 2026-11-23 05:30-11:00 UTC): the k positions of the smallest hashes of the
-        whole segment (:func:`fedcomp.uniforms.smallest`, ~7 read passes at 25M elements); format
-        1 (before): ``randperm(n)[:k]``, ~280 read passes. Every format still decodes.
+        2: the k positions of the smallest hashes of the whole segment
+        (`fedcomp.uniforms.smallest`); format 1: ``randperm(n)[:k]``. Every format still decodes.
         ``load``: whether to load the compiled loops for it (not for a client's encode)."""
         gen = ctx.generator(seg.index, "cpu")
         k = _kept(self.config.ratio, n)

@@ -182,9 +182,9 @@ class TernGrad(_TernaryRuns, Quantizer):
 
     def write_segments(self, k, xs, gen, ptrs, ns, offs, region, ok, fn: int = 0, crc: int = 0) -> int:
         """:func:`write_run`'s compiled calls: every segment's block statistics in one
-        (:func:`fedcomp._numba_kernels.tern_stats_run`), s and the clip bound per segment here as
+        (:func:`fedcomp._kernels.tern_stats_run`), s and the clip bound per segment here as
         :meth:`_write` computes them (the exact std in Python integers; the fp32 scale for all
-        segments at once), the codes in one (:func:`fedcomp._numba_kernels.tern_run`). A segment
+        segments at once), the codes in one (:func:`fedcomp._kernels.tern_run`). A segment
         with a value not finite is left to :meth:`_write` (ok False). ``fn`` nonzero: the codes'
         call continues the payload's CRC32 ``crc`` as it packs them; returns the CRC.
 
