@@ -39,7 +39,7 @@ CONFIG_KEYS = (
     "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum", "delta",
     "download-tier-kbps", "download-max-stale", "link-profile", "round-deadline-s", "budget-fallback",
     "streaming",
-    "max-update-norm", "faults", "round-timeout",
+    "max-update-norm", "weight-factor", "faults", "round-timeout",
 )
 
 
@@ -118,6 +118,8 @@ def validate_run_config(run_config) -> dict:
             raise ValueError(f"run config link-profile={cfg['link-profile']!r} needs an explicit upload codec with a "
                              f"budget knob, e.g. \"topk(ratio=0.01,index='fixed')+qsgd(bits=4)\" (got upload='auto')")
     _check(cfg, "max-update-norm", float, "a finite float >= 0 (0: off)", lambda v: 0 <= v < float("inf"))
+    _check(cfg, "weight-factor", float, "0 (trust declared weights) or a finite float >= 1",
+           lambda v: v == 0 or 1 <= v < float("inf"))
     _check(cfg, "round-timeout", float, "seconds > 0 the server waits for a round's replies", lambda v: 0 < v < float("inf"))
     _check(cfg, "faults", str, "'' (off) or fault items such as 'crash=0.1,garbage=0.05,slow=0.05,absent=2-4'",
            lambda v: True)
@@ -181,6 +183,7 @@ def main(grid: Grid, context: Context) -> None:
         budget_fallback=str(cfg["budget-fallback"]),
         streaming=bool(cfg["streaming"]),
         max_update_norm=float(cfg["max-update-norm"]),
+        weight_factor=float(cfg["weight-factor"]),
         seeded_init=True,  # the ClientApp builds the round-0 model from the seed (make_compression_mod)
     )
     compressed = strategy.compressed if adaptive else strategy

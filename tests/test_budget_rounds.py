@@ -7,6 +7,7 @@ import pytest
 import torch
 from flwr.serverapp.strategy import FedAvg
 
+from fedcomp.wire import REPLY_TAG
 import fedcomp.clients.mod as mod
 import fedcomp
 from fedcomp.clients.mod import desired_tier
@@ -174,7 +175,7 @@ def test_no_link_behaves_as_before():
            tamper=lambda node, reply: seen.append(set(reply.content.config_records[P.UPLOAD_RECORD])))
     # round 1 brought the full reference: the reply also announces the mod's capabilities, once
     assert seen[0] == {P.PAYLOAD, P.ARRAYS_KEY, P.DELTA_REF, P.TIER, P.REF_VERSION, P.REF_CRC, P.WANT_TIER,
-                       P.CAPABILITIES}
+                       P.CAPABILITIES, REPLY_TAG}
     assert strategy.rounds[1].links == [] and strategy.rounds[1].sim_time_s is None
 
 

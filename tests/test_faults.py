@@ -201,6 +201,7 @@ BAD_RUN_CONFIG = {
     "server-momentum": (1.0, "a float in [0, 1)"),
     "delta": (2.0, "a float in [0, 1]"),
     "max-update-norm": (-1.0, "a finite float >= 0"),
+    "weight-factor": (0.5, "0 (trust declared weights) or a finite float >= 1"),
     "faults": ("crash=2", "crash must be a probability in [0, 1]"),
     "round-timeout": (0.0, "seconds > 0"),
 }
