@@ -188,7 +188,16 @@ def make_compression_mod(initial_model: InitialModel | None = None):
 
 
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """Flower mod: decode the compressed broadcast, compress the reply (see module docstring)."""
+    """Flower mod for a ClientApp under :class:`fedcomp.strategies.CompressedStrategy`.
+
+    On a train message with a fedcomp download record it rebuilds the model from the broadcast
+    and the reference kept in ``Context.state``, hands it to the app under the record name the
+    strategy used, and replaces the app's reply model by the compressed update (error feedback
+    kept in ``Context.state``). A reference it cannot rebuild gets a resync request (the server
+    sends the full model next round); a broadcast or reply it cannot handle, an error reply
+    saying how to fix it. Messages without the record pass through. For a seeded cross-device
+    start use :func:`make_compression_mod` with ``initial_model``.
+    """
     return _PLAIN(msg, context, call_next)
 
 
@@ -278,6 +287,9 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
     except fedcomp.FedcompError as exc:  # ResyncNeeded, or a step that does not decode
         state.reference, state.reference_info = None, None
         reason = str(exc) if isinstance(exc, ResyncNeeded) else f"broadcast did not decode: {exc}"
+        if seeded and isinstance(exc, ResyncNeeded) and "chain's base" in reason:
+            reason += (". This node's seeded round-0 model is not the server's initial model: the ServerApp's "
+                       "initial_arrays must be the model initial_model builds from the same seed (seeded_init)")
         record = {P.RESYNC: reason, P.WANT_TIER: want}
         if link is not None:  # no training, but the round still cost this node its download
             record.update({P.LINK: link.describe(), P.BUDGET: -1, P.DOWNLOAD_SEEN: download_seen,

@@ -54,6 +54,8 @@ class AdaptiveStrategy(Strategy):
     **settings
         Every other :class:`CompressedStrategy` setting (download, error_feedback, seed, ...).
 
+    Notes
+    -----
     Run it with ``start(..., evaluate_fn=...)``: the server-side evaluation is the controller's
     signal. Used round by round without ``start`` (tests, custom loops), call :meth:`observe`
     with each round's evaluation metrics.

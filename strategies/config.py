@@ -5,56 +5,37 @@
 validated in ``__post_init__`` (a :class:`fedcomp.SpecError` naming the value and what is allowed),
 so a bad configuration fails at construction, before any round.
 
-Defaults picked from the regime (issue 15; measured in ``results/xdev/README.md``):
+Defaults picked from the regime (the studies behind them: docs, Results, "Accuracy"):
 ``upload="auto"`` and ``download="auto"`` (the defaults) resolve at the first training round,
 when the number of connected nodes, the number sampled and the model's size are known
 (:meth:`CompressionConfig.resolve`):
 
 * every node in every round (cross-silo, e.g. ``fraction_train=1``): upload
-  ``topk(ratio=0.01)+qsgd(bits=4)`` with client error feedback, download ``none()``, as before;
+  ``topk(ratio=0.01)+qsgd(bits=4)`` with client error feedback, download ``none()``;
 * a fraction of the nodes per round (cross-device, ``fraction_train < 1``): upload
   ``sketch(rows=1, cols=ceil(0.068 n), ratio=0.02)+qsgd(bits=4)`` (n = float parameters) with
   server-side error feedback (``aggregation="sketch"``, clients stateless), download coupled to
   it (``coupled_download``): ``topk(ratio=0.02)+kbit(bits=4,stochastic=true)``, the server applies
-  exactly what it broadcasts. Client residuals go stale when a client is seen every tenth round
-  (-9.5 points with top-k in the study); the sketch scheme held in every regime measured.
-  The heavy hitters' share was 0.01 until 2026-11-26: a small CNN with two local epochs per round
-  (20 nodes, 4 per round, 40 rounds, through ``flwr run``) reached 65.7% with it against 98.2%
-  dense, 95.5% with 0.02 (96.2% with 0.05); the digits MLP of the study (6 seeds) gains with 0.02
-  in every regime (cross-device +4.0 points over dense against +1.4, cross-silo +0.4 against
-  +0.2, silo-half +0.3 against -0.2) for half the download compression (16.7x against 30.5x in
-  cross-device; 0.05: +4.7, 7.6x); a char-LSTM, 100 clients at 10%: -0.6 against -1.7 points.
-  Through ``flwr run`` on the project's MLP (100 nodes at 10%, 60 rounds) both end at or above dense,
-  0.02 with 16x fewer download bytes against 29x (``results/xdev/ratio_2026-11-26.md``).
-  The upload's bytes do not depend on it.
+  exactly what it broadcasts. Client residuals go stale when a client is seen rarely; the
+  server-side error table does not.
 
 An explicit upload spec resolves at the same moment: in cross-device its codec takes its
 cross-device defaults where the spec writes none of them (:func:`fedcomp.cross_device_spec`:
 ``topk()`` and ``dgc()`` keep a tenth, ``powersgd()`` rank 8, ``sign()`` the rms scale, ``randomk()``
-a quarter, rescaled and without residual; README, "Cross-device defaults").
+a quarter, rescaled and without residual).
 
 Link budgets (``link_profile``, ``round_deadline_s``) and ``delta`` need per-client decoding, so
 with them ``"auto"`` resolves to the cross-silo specs in every regime. Models with running
-statistics (BatchNorm) in cross-device get ``qsgd(bits=4)`` while ``exact_statistics`` is on (mnist
-``cnn-bn``, 100 clients at 10%, 30 rounds, mean of the last 5 rounds: dense 88.88%, ``qsgd(bits=4)``
-89.60%, ``topk(ratio=0.01)+qsgd(bits=4)`` with client residuals 82.80%; one seed). Sketched like
-weights the statistics broke (FetchSGD's server-side error drove a variance negative: 60% at
-round 16, then 10%); they now travel exact beside the sketch (``ServerFeedback``), which an
-explicit ``upload='sketch(...)'`` gets, but ``"auto"`` keeps the measured dense choice for them:
-the cross-device sketch scheme with the statistics exact, through ``flwr run`` (mnist ``cnn-bn``,
-100 nodes at 10%, 30 rounds, mean of the last 5 rounds, ``python -m fedcomp.simulations.xdev_flwr
---rounds 30 --seeds 0,1 --extra "task='mnist' model='cnn-bn' lr=0.05"``) lost 4.3 and 8.0 points
-to dense at 105x up / 32x down, against ``qsgd(bits=4)`` -0.7 over 5 seeds in process.
+statistics (BatchNorm) in cross-device get the dense ``qsgd(bits=4)`` while ``exact_statistics`` is
+on: it beat both the client-residual top-k and the sketch scheme with exact statistics there
+(an explicit ``upload='sketch(...)'`` still gets the statistics exact beside the sketch).
 
 Strategies that compare or re-weight each client's update on its own (FedMedian, FedTrimmedAvg,
 Krum, MultiKrum, Bulyan, QFedAvg) or normalize the mean per coordinate (FedAdam, FedAdagrad, FedYogi)
 (``sparse_averse``) get the dense ``qsgd(bits=4)`` upload in every regime: sparse updates (each
 client's own 1% of coordinates) leave coordinate-wise medians and trimmed means at zero, make
 distances between clients meaningless, and give a per-coordinate optimizer a few large coordinates;
-FetchSGD would replace their aggregation altogether. Measured (``simulations/strategy_study.py``,
-10 clients, mean of the last 5 rounds): digits 60 rounds, FedMedian -59.6 points with
-``topk(ratio=0.01)+qsgd(bits=4)``, -0.1 with ``qsgd(bits=4)`` (7.9x); mnist ``cnn-bn`` 10 rounds,
-FedAdam -17.9 / FedYogi -10.2 with top-k, +0.3 / +0.8 with ``qsgd(bits=4)``.
+FetchSGD would replace their aggregation altogether.
 """
 
 from __future__ import annotations
@@ -75,7 +56,7 @@ SILO_DOWNLOAD = "none()"
 DENSE_UPLOAD = "qsgd(bits=4)"  # sparse-averse strategies, cross-device BatchNorm models: dense, unbiased (module docstring)
 SKETCH_COLS_PER_PARAM = 0.068  # cross-device sketch columns per float parameter (16000 for 234k)
 SKETCH_RATIO = 0.02  # heavy hitters applied per round; the coupled download sends the same share (docstring)
-PLACEHOLDER_PARAMS = 234_122  # before the model is known (the digits MLP): only cols depend on it
+PLACEHOLDER_PARAMS = 234_122  # before the model is known (the project's MLP): only cols depend on it
 
 
 def cross_device_upload(numel: int) -> str:
@@ -86,7 +67,7 @@ def cross_device_upload(numel: int) -> str:
 
 def coupled_download(ratio: float = SKETCH_RATIO) -> str:
     """The coupled download for a sketch of heavy-hitter share ``ratio``: the same share, 4-bit
-    values with stochastic rounding (nearest rounding collapsed 2 of 5 coupled runs, finding 7)."""
+    values with stochastic rounding (nearest rounding can lock the coupled loop: docs, Results)."""
     return f"topk(ratio={ratio})+kbit(bits=4,stochastic=true)"
 
 

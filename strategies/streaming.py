@@ -29,7 +29,7 @@ STREAMABLE = (FedAvg, FedProx, FedAvgM, FedAdam, FedAdagrad, FedYogi)
 
 # aggregate_train of these compares or re-weights the clients' updates one by one (robust
 # aggregators, QFedAvg's loss weighting) or normalizes the mean per coordinate (FedAdam, FedAdagrad,
-# FedYogi): sparse or sketched uploads defeat them (measured: config.py's docstring)
+# FedYogi): sparse or sketched uploads defeat them (config.py's docstring; docs, Results)
 SPARSE_AVERSE = (FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan, QFedAvg, FedAdam, FedAdagrad, FedYogi)
 
 
