@@ -24,16 +24,12 @@ after the built-in parts' (docs: How-to, "A server behaviour").
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from fedcomp.strategies.stats import RoundStats
 
-if TYPE_CHECKING:
-    from fedcomp.strategies.replies import RoundReplies
-    from fedcomp.strategies.wrapper import CompressedStrategy
 
 
 @dataclasses.dataclass
@@ -79,7 +75,7 @@ class Reply:
 class Part:
     """Base class of the wrapper's parts: every hook does nothing."""
 
-    host: CompressedStrategy
+    host: CompressedStrategy  # the wrapper (fedcomp.strategies.CompressedStrategy); not imported: no cycle
 
     def bind(self, host: CompressedStrategy) -> None:
         """Attach to the wrapper (called once, at its construction)."""

@@ -4,7 +4,6 @@ settings that defeat the inner strategy or go stale in cross-device (:class:`Com
 from __future__ import annotations
 
 from logging import INFO, WARNING
-from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord
 from flwr.common import log
@@ -12,8 +11,6 @@ from flwr.common import log
 from fedcomp.strategies.config import AUTO, DENSE_UPLOAD
 from fedcomp.tensor_kinds import STATISTIC, split_kinds
 
-if TYPE_CHECKING:
-    from fedcomp.strategies.wrapper import CompressedStrategy
 
 XDEV_SHARE = 0.1  # a sparsifier's share from which client residuals hold in cross-device (docs: Results)
 XDEV_RANK = 8  # PowerSGD's rank from which it holds in cross-device (docs: Results)
