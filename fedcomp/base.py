@@ -19,7 +19,8 @@ Traits (read from the class by ``Codec``, the byte-budget controller and the con
 
 A codec that needs error feedback is one that is not unbiased (``Codec.needs_error_feedback``).
 
-Adding a codec: subclass ``Quantizer`` (values -> bytes) or ``Reducer``/``Selector`` (segment ->
+Adding a codec: subclass ``Quantizer`` (values -> bytes; ``write`` and ``read_values`` are optional
+faster paths with defaults; a compiled fast path is ``fedcomp.codecs.fastpath.RunCodec``) or ``Reducer``/``Selector`` (segment ->
 fewer values + side information), give it ``name``, ``Config`` and its traits, decorate it with
 ``@register``, and import its module where fedcomp loads the built-in ones (fedcomp/codec.py) or
 in your own code before building specs. Nothing else names it: tests/test_codecs.py's registry
@@ -177,6 +178,20 @@ class Quantizer(Stage):
 
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         raise NotImplementedError
+
+    def write(self, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
+        """`encode`'s bytes without the reconstruction (a client's upload needs none). Override
+        where skipping it saves work; the default calls `encode`."""
+        self.encode(x, out, gen)
+
+    def read_values(self, src: Reader, count: int, device: torch.device):
+        """Read and check ``count`` values without dequantizing them yet (a
+        `fedcomp.codecs.values.Values`, built range by range), so the server adds a reply to its
+        sum without a dense copy. Override to keep codes packed; the default decodes at once.
+        ``read_values(...).dense()`` equals `decode`'s values."""
+        from fedcomp.codecs.values import Values  # (the codecs import this module)
+
+        return Values.of(self.decode(src, count, device))
 
 
 @dataclass(frozen=True)

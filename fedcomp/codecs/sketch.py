@@ -12,9 +12,9 @@ Default dimensions scale with the segment: ``sketch()`` is one row of ``cols = c
 cells (at least ``min(n, MIN_AUTO_COLS)``) whose values travel as ``qsgd(bits=4)`` unless a
 quantizer is written after it: about 116x fewer bytes than fp32 on any model (15,921 cells for
 the 234k-parameter digits MLP, 28,679 for mnist ``cnn-bn``), the dimensions of the cross-device
-default (``fedcomp.strategies.config``). One row of n/64 fp32 cells instead (the same bytes as
-64x) diverged on digits at round 41: with one row every coordinate of a cell gets the cell's
-whole value when the cell is a heavy hitter, 64 coordinates at a time. A spec that names ``cols``
+default (``fedcomp.strategies.config``). Keep the cells many and coarse rather than few and
+exact: with one row every coordinate of a heavy-hitter cell gets the cell's whole value, so n/64
+fp32 cells (the same bytes) made training diverge. A spec that names ``cols``
 keeps it, 5 rows, ``ratio=0.005`` and fp32 cells (the former defaults), so specs written before
 the scaling are the same codec (``sketch(cols=1000)`` is still ``sketch(rows=5,cols=1000,ratio=0.005,seed=0)``).
 With automatic cols the heavy hitters' share is 0.02 (smaller shares lost accuracy across

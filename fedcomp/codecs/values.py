@@ -1,6 +1,6 @@
 """A segment's values read and checked but not yet dequantized (`Values`), for the server's
-chunked decode + add; `read_values` / `write_values` use a quantizer's optional `read_values`
-and `write` methods where it has them, else `decode` / `encode`.
+chunked decode + add; `read_values` / `write_values` call the quantizer's `read_values` and
+`write` (`fedcomp.base.Quantizer` gives both defaults: `decode` / `encode`).
 """
 
 from __future__ import annotations
@@ -123,13 +123,8 @@ def _ternary(src: Reader, count: int, device: torch.device, bad: int, message: s
 
 
 def read_values(quantizer: Quantizer, src: Reader, count: int, device: torch.device) -> Values:
-    """Read and check ``count`` coded values from ``src`` without dequantizing them, where the
-    quantizer can (its ``read_values`` method: the codes stay packed, as views of the payload);
-    otherwise through ``decode``. ``read_values(...).dense()`` equals ``quantizer.decode(...)``."""
-    read = getattr(quantizer, "read_values", None)
-    if read is not None:
-        return read(src, count, device)
-    return Values.of(quantizer.decode(src, count, device))
+    """``quantizer.read_values``: the values read and checked, not yet dequantized."""
+    return quantizer.read_values(src, count, device)
 
 
 _NO32 = np.empty(0, dtype=np.float32)
@@ -165,10 +160,5 @@ def _fused(count: int, unit: int, device: torch.device, run, sq_run=None) -> Val
 
 
 def write_values(quantizer: Quantizer, x: torch.Tensor, out: Writer, gen: torch.Generator | None) -> None:
-    """Write the code of ``x`` without building the reconstruction, where the quantizer can
-    (its ``write`` method); otherwise through ``encode``. The bytes are the same either way."""
-    write = getattr(quantizer, "write", None)
-    if write is not None:
-        write(x, out, gen)
-    else:
-        quantizer.encode(x, out, gen)
+    """``quantizer.write``: the code of ``x`` without the reconstruction (`encode`'s bytes)."""
+    quantizer.write(x, out, gen)
