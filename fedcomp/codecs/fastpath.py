@@ -119,8 +119,8 @@ def write_run(quantizer: RunCodec, xs: list[torch.Tensor], out: Writer, gen) -> 
 
 class RunReply:
     """A reply's dense segments read at once (:meth:`fedcomp.Codec.read_run`), for the server's
-    check (:meth:`sq`) and add (the quantizer's `RunCodec.add_runs`) in one compiled call each, where
-    the per-segment path (:class:`Values`) costs ~80 us of Python per segment and reply.
+    check (`sq`) and add (the quantizer's `RunCodec.add_runs`) in one compiled call each, where
+    the per-segment path (`Values`) costs tens of microseconds of Python per segment and reply.
 
     The codes stay in the payload (``body``, numpy: a view); each segment's parameters are copied
     out, aligned: ``params`` (a 2-D float32 array: a row per kind of parameter, a column per

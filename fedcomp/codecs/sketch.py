@@ -136,10 +136,8 @@ class CountSketch(Reducer):
     # with the sign - where h is odd, h the 32-bit counter hash of j in row r's stream
     # (:func:`_row_keys`; :mod:`fedcomp.uniforms`' hash), computed where the data is (torch int32
     # ops on any device, or inside the compiled loop of ``fedcomp._kernels.sketch_add``). Why: the
-    # format-1 tables below are torch.randint draws from a CPU generator, ~40 read passes of a
-    # 25M-element update per encode on one thread, generated on the CPU even for a CUDA update
-    # (1.5 s on an H200 for 25M elements), where these hashes cost ~8 in torch ops and ~1-2 in
-    # the loop.
+    # format-1 tables below are torch.randint draws from a CPU generator, generated on the CPU even
+    # for a CUDA update and many times slower than these hashes (see the docs' Results: performance).
     # Format 1: hashes and signs are torch.randint draws from one CPU generator seeded by (seed, n): all
     # buckets row by row, then all signs row by row (one 32-bit draw per value, in order). Small
     # segments keep the tables; large ones keep the generator's state every `block` elements of
