@@ -19,7 +19,7 @@ wrapper's reply tokens are drawn with ``secrets``, and deflate sizes them differ
 
 Bytes are Flower message bytes (:func:`fedcomp.msgsize.message_bytes`) of the train messages and
 replies as they cross the grid, the same measure for dense and compressed runs; wrapped runs also
-keep the wrapper's own :class:`~fedcomp.strategies.wrapper.RoundStats` per round.
+keep the wrapper's own `fedcomp.strategies.stats.RoundStats` per round.
 """
 
 from __future__ import annotations
