@@ -187,11 +187,10 @@ class Quantizer(Stage):
     def read_values(self, src: Reader, count: int, device: torch.device):
         """Read and check ``count`` values without dequantizing them yet (a
         `fedcomp.codecs.values.Values`, built range by range), so the server adds a reply to its
-        sum without a dense copy. Override to keep codes packed; the default decodes at once.
-        ``read_values(...).dense()`` equals `decode`'s values."""
-        from fedcomp.codecs.values import Values  # (the codecs import this module)
-
-        return Values.of(self.decode(src, count, device))
+        sum without a dense copy. Override to keep codes packed; the default decodes at once and
+        returns the tensor (`fedcomp.codecs.values.read_values` wraps it). Its values equal
+        `decode`'s."""
+        return self.decode(src, count, device)
 
 
 @dataclass(frozen=True)

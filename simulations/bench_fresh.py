@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 
 import torch
 
 import fedcomp
-from fedcomp import aggregate, kernels, quantizers, wire
+from fedcomp import kernels, wire
 from fedcomp.aggregate import Accumulator, apply_step
 from fedcomp.feedback import compress
 
@@ -43,13 +44,20 @@ def fresh(on: bool):
     """The fresh-buffer helpers on (as shipped) or off (every buffer from torch, as before)."""
     saved = wire.MMAPPED
     limit = saved if on else 1 << 62
-    for module in (wire, aggregate, quantizers):
+    holders = _holders()
+    for module in holders:
         module.MMAPPED = limit
     try:
         yield
     finally:
-        for module in (wire, aggregate, quantizers):
+        for module in holders:
             module.MMAPPED = saved
+
+
+def _holders() -> list:
+    """The fedcomp modules that read the threshold (``wire.MMAPPED`` and its imported copies)."""
+    return [m for name, m in list(sys.modules.items())
+            if name.startswith("fedcomp") and m is not None and isinstance(getattr(m, "MMAPPED", None), int)]
 
 
 def _median(fn, repeats: int) -> float:

@@ -116,7 +116,7 @@ def test_strategy_study_runs_of_one_seed_are_the_same_whatever_ran_before():
 
 
 def test_bench_fresh_times_both_ways_and_restores_the_threshold(tmp_path):
-    from fedcomp import aggregate, quantizers, wire
+    from fedcomp import steps, wire
     from fedcomp.simulations import bench_fresh
 
     out = tmp_path / "fresh.json"
@@ -124,4 +124,5 @@ def test_bench_fresh_times_both_ways_and_restores_the_threshold(tmp_path):
     assert len(rows) == len(bench_fresh.DECODE) + 2 + len(bench_fresh.ROUND) + len(bench_fresh.CLIENT)
     assert all(r["torch_x"] > 0 and r["fresh_x"] > 0 for r in rows)
     assert json.loads(out.read_text())["n"] == 20000
-    assert wire.MMAPPED == aggregate.MMAPPED == quantizers.MMAPPED == 32 << 20
+    assert wire.MMAPPED == steps.MMAPPED == 32 << 20
+    assert steps in bench_fresh._holders()

@@ -30,16 +30,33 @@ def _package(module: str) -> str:
 def _modules() -> dict[str, Path]:
     out = {}
     for folder, package in FOLDERS.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted((ROOT / folder).rglob("*.py")):  # subpackages too (fedcomp.codecs, ...)
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join((package, *parts))] = path
     return out
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (never imported at run time)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
 
 
 def _imports(module: str, path: Path) -> set[str]:
     """Every fedcomp module ``module`` imports, at module level or inside functions."""
     found = set()
+    modules = _modules()
     is_package = path.stem == "__init__"
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -48,8 +65,9 @@ def _imports(module: str, path: Path) -> set[str]:
                 prefix = ".".join(base + ([node.module] if node.module else []))
             else:
                 prefix = node.module or ""
-            found.add(prefix)
-            found |= {f"{prefix}.{a.name}" for a in node.names}
+            # `from package import submodule` imports the submodule; `from module import name` the module
+            for a in node.names:
+                found.add(f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in modules else prefix)
     modules = _modules()
     return {m for m in found if m in modules and m != module}
 

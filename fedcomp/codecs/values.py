@@ -123,8 +123,10 @@ def _ternary(src: Reader, count: int, device: torch.device, bad: int, message: s
 
 
 def read_values(quantizer: Quantizer, src: Reader, count: int, device: torch.device) -> Values:
-    """``quantizer.read_values``: the values read and checked, not yet dequantized."""
-    return quantizer.read_values(src, count, device)
+    """``quantizer.read_values``: the values read and checked, not yet dequantized (a tensor
+    from the base class's default is wrapped)."""
+    values = quantizer.read_values(src, count, device)
+    return values if isinstance(values, Values) else Values.of(values)
 
 
 _NO32 = np.empty(0, dtype=np.float32)
