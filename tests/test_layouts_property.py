@@ -32,7 +32,7 @@ class _HypothesisDraw:
 
 
 @pytest.mark.parametrize("spec", SPECS)
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_contract_on_arbitrary_layouts(spec, data):
