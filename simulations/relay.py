@@ -24,6 +24,15 @@ trailers), gRPC length prefixes (5 bytes per gRPC message), gRPC message bodies 
 requests/responses, which hold Flower's serialized objects), DATA padding, and control frames
 (SETTINGS, PING, WINDOW_UPDATE, RST_STREAM, GOAWAY, PRIORITY). See :meth:`Relay.http2_counts`.
 A connection that does not start with the HTTP/2 preface (e.g. TLS) is counted as ``opaque``.
+
+A link (optional): ``latency_ms`` delays every chunk by that much in each direction (a delay line
+per connection and direction: a chunk read at t is written at t + latency, in order), and
+``up_kbps`` / ``down_kbps`` pace client->server / server->client with a token bucket per
+connection (each chunk leaves when the bucket has its bytes; the bucket holds 20 ms of the rate
+and the relay reads at most 50 ms ahead of it, so the sender feels the rate as TCP backpressure).
+With kernel-shaped links (:mod:`fedcomp.simulations.shaped`: tc rates, no netem) the relay adds
+only the latency; without them its token bucket is the fallback that runs anywhere. Bytes are
+counted when read, before any delay.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import asyncio
 import dataclasses
 import struct
 import threading
+import time
 
 __all__ = ["Counts", "Relay", "H2_FIELDS"]
 
@@ -181,7 +191,14 @@ class Relay:
     """
 
     def __init__(self, target_host: str, target_port: int, listen_host: str = "127.0.0.1",
-                 listen_port: int = 0, http2: bool = True) -> None:
+                 listen_port: int = 0, http2: bool = True, *, latency_ms: float = 0.0,
+                 up_kbps: float | None = None, down_kbps: float | None = None) -> None:
+        for key, value in (("up_kbps", up_kbps), ("down_kbps", down_kbps)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{key}={value!r} is invalid: a positive rate in kbps, or None (no limit)")
+        if not latency_ms >= 0:
+            raise ValueError(f"latency_ms={latency_ms!r} is invalid: milliseconds >= 0")
+        self.latency_ms, self.up_kbps, self.down_kbps = float(latency_ms), up_kbps, down_kbps
         self.target = (target_host, int(target_port))
         self.listen_host = listen_host
         self._listen_port = int(listen_port)
@@ -304,6 +321,10 @@ class Relay:
         if self.http2:
             meter = _H2Meter(self._h2["client_to_server" if direction == "c2s" else "server_to_client"],
                              client_side=direction == "c2s")
+        kbps = self.up_kbps if direction == "c2s" else self.down_kbps
+        if kbps or self.latency_ms > 0:
+            await self._pump_link(reader, writer, direction, meter, kbps)
+            return
         try:
             while True:
                 data = await reader.read(_CHUNK)
@@ -315,6 +336,60 @@ class Relay:
         except (ConnectionError, OSError, asyncio.IncompleteReadError):
             pass
         finally:
+            try:
+                if writer.can_write_eof():
+                    writer.write_eof()
+            except (OSError, RuntimeError):
+                pass
+
+    async def _pump_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str,
+                         meter: _H2Meter | None, kbps: float | None) -> None:
+        """Forward through a delay line of ``latency_ms``, paced at ``kbps`` (a token bucket) if set."""
+        delay = self.latency_ms / 1000
+        rate = kbps * 1000 / 8 if kbps else None  # bytes per second
+        bucket = rate * 0.02 if rate else 0.0  # the bucket's depth: 20 ms of the rate
+        chunk = _CHUNK if rate is None else int(min(_CHUNK, max(1500, bucket)))
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def deliver() -> None:
+            while (item := await queue.get()) is not None:
+                at, data = item
+                wait = at - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+
+        sender = asyncio.ensure_future(deliver())
+        self._tasks.add(sender)  # cancelled by stop() with the connections
+        sender.add_done_callback(self._tasks.discard)
+        free_at = 0.0  # when the modelled link has sent everything handed to it so far
+        try:
+            while True:
+                data = await reader.read(chunk)
+                if not data:
+                    break
+                self._add(direction, data, meter)
+                now = time.monotonic()
+                leaves = now
+                if rate:
+                    # token bucket: up to `bucket` bytes may go at once after an idle spell
+                    free_at = max(free_at, now - bucket / rate) + len(data) / rate
+                    leaves = max(now, free_at)
+                    ahead = free_at - now - 0.05  # read at most 50 ms ahead of the link
+                    if ahead > 0:
+                        await asyncio.sleep(ahead)
+                queue.put_nowait((leaves + delay, data))
+                if sender.done():
+                    break
+        except (ConnectionError, OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            queue.put_nowait(None)
+            try:
+                await sender
+            except (ConnectionError, OSError, RuntimeError, asyncio.CancelledError):
+                pass
             try:
                 if writer.can_write_eof():
                     writer.write_eof()
