@@ -21,6 +21,7 @@ from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.layout import MAX_NUMEL, Layout
 from fedcomp.pieces import Pieces
 from fedcomp import kernels
+from fedcomp.codecs.flat import Flat
 from fedcomp.codecs.fastpath import HALF_CODES, RunCodec, runs, write_run
 from fedcomp.codecs.values import read_values, write_values
 from fedcomp.spec import parse_spec
@@ -237,6 +238,8 @@ class Codec:
         # segments wait to go to the quantizer's compiled loop together (write_run), in order
         run: list[tuple[int, torch.Tensor]] | None = \
             [] if self.reducer is None and device.type == "cpu" and runs(self.quantizer, kernels.for_encode()) else None
+        if run is None and self.reducer is None and self._write_flat(values, segments, out, ctx, device):
+            kept, side_bytes, segments = [seg.numel for seg, _ in segments], [0] * len(segments), []
         for seg, group in segments:
             t = values[group[0]] if run is not None and len(group) == 1 else None
             if t is not None and t.dtype == torch.float32 and t.is_cpu and not t.requires_grad and t.is_contiguous() \
@@ -286,6 +289,22 @@ class Codec:
         payload = out.getvalue(layout.fingerprint(), self.fingerprint, ctx.nonce, self.wire_version)
         decode = None if sparse else (lambda: self.decode(payload, layout, device, round=round))
         return Encoded(payload, LazyDecoded(layout, decode, kept_values, exact), tuple(kept), tuple(side_bytes))
+
+    def _write_flat(self, values: list[torch.Tensor], segments, out: Writer, ctx: StageContext,
+                    device: torch.device) -> bool:
+        """Write every segment as one flat buffer (:mod:`fedcomp.codecs.flat`: a constant number of
+        torch ops per encode, where the per-segment path costs dozens a tensor), where the quantizer
+        can (``flat()``) and every float tensor is on ``device``; False: nothing was written."""
+        q = self.quantizer
+        if not (hasattr(q, "write_flat") and q.flat()):
+            return False
+        picked = [(seg, group[0]) for seg, group in segments if seg.numel]
+        if not picked or any(values[i].device != device for _, i in picked):
+            return False
+        with torch.no_grad():  # (no detach per tensor: one op each less)
+            fl = Flat([values[i].reshape(-1) for _, i in picked], device)
+        q.write_flat(fl, [seg.index for seg, _ in picked], out, ctx)
+        return True
 
     def _write_run(self, run: list[tuple[int, torch.Tensor]], out: Writer, ctx: StageContext,
                    device: torch.device) -> None:

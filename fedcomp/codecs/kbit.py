@@ -131,6 +131,42 @@ class KBit(_BlockRuns, _EntropyCoded, Quantizer):
 
     _run_kind, _run_per = "BLOCK_KBIT", 2  # runs (_BlockRuns): rows lo, scale per block
 
+    def flat(self) -> bool:
+        """Whether :meth:`write_flat` writes this codec's segments (packed codes)."""
+        return self.config.coding == "packed"
+
+    def write_flat(self, fl, segs: list[int], out: Writer, ctx) -> None:
+        """Every segment of the flat buffer ``fl`` (:class:`fedcomp.codecs.flat.Flat`; ``segs``:
+        their segment indices) in a constant number of torch ops: :meth:`write`'s bytes.
+
+        Per block min and max over its true length (no padding: a block's fill-first padding
+        changes neither); the rare blocks whose min or max is a zero or NaN (torch's reduction
+        picks that zero's sign, that NaN's bits) are taken again by ``aminmax`` over the padded
+        block, as :func:`fedcomp.codecs.blockwise._row_range` does: one host sync per encode. The
+        scale is divided by a tensor, not the Python int (CUDA multiplies by a reciprocal)."""
+        from fedcomp.codecs import flat as _flat
+
+        levels = (1 << self.config.bits) - 1
+        rows = fl.rows(self.config.block)
+        x = fl.x
+        lo, hi = rows.reduce(x, "min"), rows.reduce(x, "max")
+        redo = ((lo == 0) | (hi == 0) | torch.isnan(lo) | torch.isnan(hi)) & rows.real_mask()
+        bad = torch.nonzero(redo).reshape(-1).cpu().numpy()  # (the one sync)
+        if bad.shape[0]:
+            for these, (a, b) in _flat.redo_rows(rows, bad, True, lambda r: torch.aminmax(r, dim=1)):
+                at = torch.from_numpy(these).to(x.device)
+                lo[at], hi[at] = a, b
+        scale = torch.sub(hi, lo).div_(torch.full_like(hi, float(levels)))
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        t = torch.sub(x, rows.expand(lo)).div_(rows.expand(safe))
+        if self.config.stochastic:
+            t.add_(fl.uniforms(_flat.stream_keys(ctx, segs))).floor_()
+        else:
+            t.round_()
+        q = t.clamp_(0, levels).to(torch.uint8)  # padding: x = 0 in a row of zeros, code 0
+        params = torch.stack([rows.real(lo), rows.real(scale)], dim=1)
+        fl.assemble(out, params, 2 * rows.nrows, fl.pack(q, self.config.bits), self.config.bits)
+
     def _encode_one(self, x: torch.Tensor, out: Writer, key: tuple[int, int] | None, start: int) -> torch.Tensor:
         m, block, levels = x.numel(), self.config.block, (1 << self.config.bits) - 1
         if m == 0:

@@ -126,6 +126,41 @@ class QSGD(_BlockRuns, _EntropyCoded, Quantizer):
 
     _run_kind, _run_per, _run_block_field = "BLOCK_QSGD", 1, "bucket"  # runs (_BlockRuns): norm / levels per bucket
 
+    def flat(self) -> bool:
+        """Whether :meth:`write_flat` writes this codec's segments (packed codes, max norm: an l2
+        norm is torch's float sum over the padded bucket, whose bits a segment sum need not give)."""
+        return self.config.coding == "packed" and self.config.norm == "max"
+
+    def write_flat(self, fl, segs: list[int], out: Writer, ctx) -> None:
+        """Every segment of the flat buffer ``fl`` (:class:`fedcomp.codecs.flat.Flat`) in a
+        constant number of torch ops: :meth:`write`'s bytes. One host sync: whether a bucket's
+        norm is NaN (its bits: the padded bucket's amax, taken again) or its levels / norm
+        overflows (:meth:`_ratio_`'s other arithmetic)."""
+        from fedcomp.codecs import flat as _flat
+
+        s, bits = self.levels, self.config.bits
+        rows = fl.rows(self.config.bucket)
+        x = fl.x
+        mag = x.abs()
+        norm = rows.reduce(mag, "max")
+        safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+        r = torch.full_like(safe, float(s)).div_(safe)
+        big = torch.isinf(r)
+        nan, anybig = torch.stack([torch.isnan(norm).logical_and_(rows.real_mask()).any(), big.any()]).tolist()
+        if nan:
+            bad = torch.nonzero(torch.isnan(norm) & rows.real_mask()).reshape(-1).cpu().numpy()
+            for these, got in _flat.redo_rows(rows, bad, False, lambda p: p.abs().amax(dim=1)):
+                norm[torch.from_numpy(these).to(x.device)] = got
+        if anybig:
+            big_e = rows.expand(big)
+            mag = torch.where(big_e, mag.mul(s).div_(rows.expand(safe)), mag)
+            r[big] = 1.0
+        ratio = mag.mul_(rows.expand(r))
+        ratio.add_(fl.uniforms(_flat.stream_keys(ctx, segs))).floor_().clamp_(0, s)
+        code = ratio.to(torch.uint8)
+        code.bitwise_or_(torch.lt(x, 0).view(torch.uint8) << (bits - 1))
+        fl.assemble(out, rows.real(norm), rows.nrows, fl.pack(code, bits), bits)
+
     def _run_rows(self, rows: np.ndarray) -> np.ndarray:
         """norm / levels per bucket (fp32, as :meth:`read_values` divides)."""
         with np.errstate(all="ignore"):  # a NaN or inf norm (fuzzed payloads) is refused by the check

@@ -149,6 +149,45 @@ class Sign(_BlockRuns, Quantizer):
 
     _run_kind, _run_per, _run_bits = "BLOCK_SIGN", 1, 1  # runs (_BlockRuns): a scale per block, sign bits
 
+    def flat(self) -> bool:
+        return True
+
+    def write_flat(self, fl, segs: list[int], out: Writer, ctx) -> None:
+        """Every segment of the flat buffer ``fl`` (:class:`fedcomp.codecs.flat.Flat`) in a
+        constant number of torch ops: :meth:`_write`'s bytes. The parts' exact sums of all segments
+        come to the host in one copy (the one sync); the scales are :func:`_sign_scales`', for the
+        blocks of one part (most) in one numpy pass over all segments."""
+        from fedcomp.codecs import flat as _flat
+
+        block, rms = self.config.block, self.config.scale == "rms"
+        sub = blockwise._STD_BLOCK
+        rows = fl.rows(block, sub)
+        amax, ks, s1, s2 = _flat.qstats(rows, _STD_QBITS if rms else _SIGN_QBITS, not rms)
+        keep = rows.real_index()
+        amax, ks, s = amax[keep], ks[keep], (s2 if rms else s1)[keep]
+        counts = rows.lengths_np[keep].astype(np.float64)
+        ns = fl.ns.tolist()
+        sizes = np.array([block_size(n, block) for n in ns], dtype=np.int64)
+        one = np.repeat(sizes <= sub, rows.nrows)  # parts that are whole blocks
+        with np.errstate(all="ignore"):
+            v = s.astype(np.float64) / counts
+            if rms:
+                v = np.sqrt(v)
+            v *= np.ldexp(1.0, -ks.astype(np.int32))
+            scales = np.where(np.isfinite(amax), v, amax).astype(np.float32)
+        if not one.all():  # blocks of several parts: combined in Python integers, segment by segment
+            pieces = []
+            for i, n in enumerate(ns):
+                p0, p1 = rows.seg_rows[i], rows.seg_rows[i + 1]
+                if sizes[i] <= sub:
+                    pieces.append(scales[p0:p1])
+                else:
+                    pieces.append(_sign_scales(amax[p0:p1], ks[p0:p1], s[p0:p1], n, int(sizes[i]), sub, rms))
+            scales = np.concatenate(pieces)
+        nb = np.array([blocks(n, block) for n in ns], dtype=np.int64)
+        codes = fl.pack(torch.lt(fl.x, 0).view(torch.uint8), 1)
+        fl.assemble(out, torch.from_numpy(scales).to(fl.device), nb, codes, 1)
+
     def run_sq(self, k, run: RunReply, chunk: int) -> np.ndarray:
         """Every value is +-scale: elements per block x scale**2, from the scales alone."""
         out = np.empty(run.ns.shape[0], dtype=np.float64)

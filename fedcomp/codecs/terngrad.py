@@ -159,6 +159,42 @@ class TernGrad(_TernaryRuns, Quantizer):
         out.tensor(packed)
         return s_t, packed
 
+    def flat(self) -> bool:
+        return True
+
+    def write_flat(self, fl, segs: list[int], out: Writer, ctx) -> None:
+        """Every segment of the flat buffer ``fl`` (:class:`fedcomp.codecs.flat.Flat`) in a
+        constant number of torch ops: :meth:`_write`'s bytes. The parts' exact sums come to the
+        host in one copy (the one sync); s and the clip bound per segment are computed there as
+        :meth:`write_segments` computes them, and go back in one copy."""
+        from fedcomp.codecs import flat as _flat
+
+        rows = fl.rows(0, blockwise._STD_BLOCK)
+        amax, ks, s1, s2 = _flat.qstats(rows, _STD_QBITS, False)
+        keep = rows.real_index()
+        amax, ks, s1, s2 = amax[keep], ks[keep], s1[keep], s2[keep]
+        ns = fl.ns
+        b0 = rows.seg_rows
+        s32 = np.maximum.reduceat(amax, b0[:-1])  # every segment here has a part
+        bound32 = np.full(ns.shape[0], np.inf, dtype=np.float32)
+        clips = (ns > 1) if self.config.clip > 0 else np.zeros(ns.shape[0], dtype=np.bool_)
+        use = np.flatnonzero(clips)
+        if use.shape[0]:
+            nl, kl, s1l, s2l, bl = ns.tolist(), ks.tolist(), s1.tolist(), s2.tolist(), b0.tolist()
+            finite = np.isfinite(amax)
+            std = np.array([_tern_std(nl[i], kl[bl[i]:bl[i + 1]], s1l[bl[i]:bl[i + 1]], s2l[bl[i]:bl[i + 1]])
+                            if finite[bl[i]:bl[i + 1]].all() else float("nan") for i in use.tolist()], dtype=np.float64)
+            s32[use], bound32[use] = self._scale(s32[use], std, True)
+        table = torch.from_numpy(np.stack([s32, bound32])).to(fl.device)  # rows s, bound
+        x = fl.x
+        per = fl.per_element(table.T)
+        a = x.abs()
+        if use.shape[0]:
+            torch.minimum(a, per[:, 1], out=a)
+        sent = torch.lt(fl.uniforms16(_flat.stream_keys(ctx, segs)).mul_(per[:, 0]), a)
+        code = torch.lt(x, 0).view(torch.uint8).add(1).mul_(sent.view(torch.uint8))
+        fl.assemble(out, table[0], np.ones(ns.shape[0], dtype=np.int64), fl.pack(code, 2), 2)
+
     _bad = (3, "terngrad payload holds the unused code 11")
 
     def _tables(self, body: np.ndarray, ns: np.ndarray, offs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
