@@ -9,6 +9,11 @@ replies arrive by :class:`fedcomp.server_feedback.ServerFeedback`, float64, orde
 3. ``S_u`` and ``S_e`` are zeroed at the cells the applied coordinates hash to.
 
 Clients keep no residual (the error lives on the server). Integer tensors keep their reference values.
+
+On the CPU with the compiled loops (a server's), steps 2 and 3 are compiled passes over the
+elements (:meth:`fedcomp.codecs.sketch.CountSketch.top_dense`, then the cells of the k kept
+coordinates alone, :meth:`~fedcomp.codecs.sketch.CountSketch.zero_cells`): the same delta and
+tables as the torch ops below, which CUDA tensors, ``FEDCOMP_KERNELS=0`` and NaN estimates take.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ def sketch_step(reducer, momentum: torch.Tensor, error: torch.Tensor, summed: to
     flat ``delta``."""
     momentum.mul_(rho).add_(summed)
     error.add_(momentum)
+    fast = reducer.top_dense(error, numel, load=True)  # the compiled passes (CPU), or None
+    if fast is not None:
+        positions, delta = fast
+        reducer.zero_cells(positions, delta, momentum, error)
+        return delta
     delta = reducer.heavy_hitters(error, numel)
     applied = reducer.sketch(delta) != 0
     momentum[applied] = 0

@@ -109,3 +109,28 @@ def crc32_function() -> int | None:
         if fn(zlib.crc32(data[:3]), data[3:3 + n], n) != zlib.crc32(data[:3 + n]):
             return None
     return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+_POOL = None
+_POOL_LOCK = threading.Lock()
+
+
+def run_parallel(calls):
+    """Run ``calls`` (zero-argument callables, each one compiled ``nogil`` loop over its own part
+    of the data) on worker threads, the first on this one; their results in order.
+
+    Why threads and not numba's ``parallel=True``: these loops release the GIL already, and a
+    pool of plain threads needs no threading layer (TBB / OpenMP) and keeps ``cache=True``."""
+    global _POOL
+    calls = list(calls)
+    if len(calls) <= 1:
+        return [c() for c in calls]
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < len(calls) - 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _POOL = ThreadPoolExecutor(max_workers=len(calls) - 1, thread_name_prefix="fedcomp-kernels")
+        pool = _POOL
+    futures = [pool.submit(c) for c in calls[1:]]
+    first = calls[0]()
+    return [first] + [f.result() for f in futures]

@@ -6,8 +6,8 @@ Conventions: ``codes`` are uint8 codes of a run of elements starting at a block 
 sum, ``w`` the weight; ``out`` an fp32 buffer. fp32 arithmetic is written operation by operation
 as the torch path does it (no fast-math: each product and sum is rounded, nothing contracted).
 
-One module per domain: `core`, `dequant`, `encode`, `hashing`, `blocksums`, `write_runs`, `read_runs`;
-this package re-exports every kernel, as `fedcomp.kernels.get()` hands them out.
+One module per domain: `core`, `dequant`, `encode`, `hashing`, `unsketch`, `blocksums`, `write_runs`,
+`read_runs`; this package re-exports every kernel, as `fedcomp.kernels.get()` hands them out.
 """
 
 from __future__ import annotations
@@ -52,6 +52,20 @@ from fedcomp._kernels.hashing import (  # noqa: F401
     smallest_exact,
     smallest_hashes,
     stratum_positions,
+)
+from fedcomp._kernels.unsketch import (  # noqa: F401
+    BINS,
+    cell_counts,
+    cells_hist,
+    cells_mark,
+    estimate_hist,
+    keep_cells,
+    keep_top,
+    merge_ties,
+    refine_hist,
+    sketch_at,
+    sketch_values_at,
+    zero_where,
 )
 from fedcomp._kernels.blocksums import (  # noqa: F401
     BLOCK_KBIT,

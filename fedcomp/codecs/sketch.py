@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedcomp import uniforms
+from fedcomp import kernels, uniforms
 from fedcomp.base import REGISTRY, Knob, Reducer, Segment, StageContext, register
 from fedcomp.codecs.blockwise import _encode_kernels
-from fedcomp.wire import Reader, Writer, host_empty, host_zeros
+from fedcomp.wire import MMAPPED, Reader, Writer, host_empty, host_zeros
 
 HASH_CACHE = 1 << 21  # hash entries (rows x elements) kept as tables; larger segments regenerate them
 HASH_CHUNK = 1 << 18  # hash entries per regenerated chunk (temporaries of about 4 MB)
@@ -52,6 +52,8 @@ DEVICE_HASH_CHUNK = 1 << 22
 # estimates ranked per torch.topk call when unsketching (its scratch: 16 bytes an estimate); every
 # model of the project's tasks (up to 1.2M floats) is one chunk, as before chunking
 SELECT_CHUNK = 1 << 21
+# the compiled unsketch (top_dense): elements per thread at least (fewer: fewer threads)
+THREAD_MIN = 1 << 20
 AUTO_COLS_PER_ELEMENT = 0.068  # cols=0 (default): ceil(0.068 n) cells in one row, 4-bit values (module docstring)
 MIN_AUTO_COLS = 256  # ... but at least this many (or n for a smaller segment)
 EXPLICIT_COLS_ROWS = 5  # rows=0 (default) with cols given: the former default (fp32 cells)
@@ -257,7 +259,7 @@ class CountSketch(Reducer):
         return self._estimates(table, n, 0, n, version)
 
     def top_entries(self, table: torch.Tensor, n: int, k: int | None = None,
-                    version: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+                    version: int = 2, *, load: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions, estimates) of the k largest estimates in magnitude; where several tie at the
         k-th magnitude, the lowest positions among them.
 
@@ -268,9 +270,18 @@ class CountSketch(Reducer):
         Estimates are formed and ranked SELECT_CHUNK elements at a time (per chunk, then among the
         chunk's and the running candidates, in position order), so the memory is a chunk plus 2k
         candidates; the k entries of one total order (magnitude, then position) are kept in any
-        chunking.
+        chunking. On the CPU the compiled passes of :meth:`top_dense` find the same entries
+        (``load``: as there).
         """
         k = self.kept(n) if k is None else k
+        fast = self.top_dense(table, n, k, version, load=load)
+        if fast is not None:
+            idx, y = fast
+            return idx, y[idx]
+        return self._top_entries(table, n, k, version)
+
+    def _top_entries(self, table: torch.Tensor, n: int, k: int, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`top_entries` in torch ops (any device), chunk by chunk."""
         best_idx = torch.empty(0, dtype=torch.int64, device=table.device)
         best_val = torch.empty(0, device=table.device)
         for lo in range(0, n, SELECT_CHUNK):
@@ -285,12 +296,182 @@ class CountSketch(Reducer):
             best_idx, best_val = idx, val
         return best_idx, best_val
 
-    def heavy_hitters(self, table: torch.Tensor, n: int, k: int | None = None, version: int = 2) -> torch.Tensor:
+    def heavy_hitters(self, table: torch.Tensor, n: int, k: int | None = None, version: int = 2, *,
+                      load: bool = False) -> torch.Tensor:
         """Dense vector holding the k largest estimates (others zero)."""
-        idx, val = self.top_entries(table, n, k, version)
+        k = self.kept(n) if k is None else k
+        fast = self.top_dense(table, n, k, version, load=load)
+        if fast is not None:
+            return fast[1]
+        idx, val = self._top_entries(table, n, k, version)
         y = host_zeros(n) if table.device.type == "cpu" else torch.zeros(n, device=table.device)
         y[idx] = val
         return y
+
+    def top_dense(self, table: torch.Tensor, n: int, k: int | None = None, version: int = 2, *,
+                  load: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(kept positions, ascending; the dense vector of the k largest estimates, zero elsewhere)
+        in compiled passes over the elements (:mod:`fedcomp._kernels.unsketch`), the same entries as
+        :meth:`_top_entries` (magnitude, then position); None where they do not apply (a table not
+        on the CPU or not fp32, payload format 1, no compiled loops, NaN estimates): then the
+        torch path runs. ``load``: import the compiled loops if need be (a server, whose decode
+        loaded them already), else use them only where loaded (:func:`fedcomp.kernels.for_encode`:
+        a client's decode in a fresh process).
+
+        Why: the torch path forms estimates in ~15 int32 ops per row and chunk, ranks each chunk
+        and builds the dense vector apart, ~30 read passes of the vector (see the docs' Results:
+        server step). Here: one pass forms every estimate into the output and a histogram of its
+        magnitude's top 16 bits; one streaming pass (only where the k-th's bin is not taken whole)
+        histograms the low bits within that bin; one streaming pass keeps the top k. The element
+        range is cut among up to ``torch.get_num_threads()`` threads (at least THREAD_MIN each):
+        each thread's kept ties are known from the histograms, so the choice is the same for any
+        number of threads."""
+        k = self.kept(n) if k is None else k
+        if (version < 2 or table.device.type != "cpu" or table.dtype != torch.float32 or not 0 < k < n
+                or n >= 1 << 31 or table.numel() != self.cells(n)):
+            return None
+        k_ = kernels.get() if load else kernels.for_encode()
+        if k_ is None:
+            return None
+        tab = table.detach().contiguous().numpy()
+        keys = np.array(self._row_keys(n), dtype=np.uint32).reshape(-1, 2)
+        k0s, k1s, cols = keys[:, 0].copy(), keys[:, 1].copy(), self.cols(n)
+        parts = max(1, min(torch.get_num_threads(), n // THREAD_MIN))
+        cuts = [n * t // parts for t in range(parts + 1)]
+        spans = list(zip(cuts[:-1], cuts[1:]))
+        if self.rows == 1:
+            got = self._top_one_row(k_, tab, k0s[0], k1s[0], cols, n, k, spans)
+            if got is not False:
+                return got
+        y = host_empty(n, torch.float32, at_least=MMAPPED)
+        yn = y.numpy()
+        hists = [np.zeros(k_.BINS, dtype=np.int64) for _ in spans]
+        nans = kernels.run_parallel(
+            (lambda a=a, b=b, h=h: k_.estimate_hist(tab, k0s, k1s, cols, a, yn[a:b], h))
+            for (a, b), h in zip(spans, hists))
+        if sum(nans):
+            return None
+        hist = np.sum(hists, axis=0)
+        top, need = _bin_of(hist, k)  # the k-th largest is in bin `top`; `need` of that bin are taken
+        if need == hist[top]:  # the bin is taken whole: no finer cut
+            cut, ties = (top << 16) - 1, [0] * len(spans)
+            above = [int(h[top:].sum()) for h in hists]
+        else:
+            lows = [np.zeros(k_.BINS, dtype=np.int64) for _ in spans]
+            kernels.run_parallel((lambda a=a, b=b, h=h: k_.refine_hist(yn[a:b], top, h))
+                                 for (a, b), h in zip(spans, lows))
+            low, take = _bin_of(np.sum(lows, axis=0), need)
+            cut = (top << 16) | low
+            above = [int(h[top + 1:].sum()) + int(lo_[low + 1:].sum()) for h, lo_ in zip(hists, lows)]
+            ties = []
+            for lo_ in lows:  # the ties at the cut, taken in position order: thread by thread
+                ties.append(min(int(lo_[low]), take))
+                take -= ties[-1]
+        counts = [a + t for a, t in zip(above, ties)]
+        assert sum(counts) == k, (sum(counts), k)
+        offsets = np.cumsum([0] + counts)
+        pos = np.empty(k, dtype=np.int64)
+        got = kernels.run_parallel(
+            (lambda a=a, b=b, o=o, t=t, c=c: k_.keep_top(yn[a:b], a, cut, t, pos[o:o + c]))
+            for (a, b), o, t, c in zip(spans, offsets[:-1], ties, counts))
+        assert list(got) == counts, (got, counts)
+        return torch.from_numpy(pos), y
+
+    def _cell_counts(self, k_, n: int, k0, k1, cols: int, spans) -> np.ndarray:
+        """Elements per cell of a one-row sketch of n (int64, cached for the last n: a property of the
+        hashes, the same every round)."""
+        key = ("counts", n)
+        if key not in self._hashes:
+            per = [np.zeros(cols, dtype=np.int64) for _ in spans]
+            kernels.run_parallel((lambda a=a, b=b, c=c: k_.cell_counts(k0, k1, cols, a, b, c))
+                                 for (a, b), c in zip(spans, per))
+            self._hashes.pop(key, None)
+            for old in [x for x in self._hashes if x[0] == "counts"]:
+                del self._hashes[old]  # one layout at a time
+            self._hashes[key] = np.sum(per, axis=0) if len(per) > 1 else per[0]
+        return self._hashes[key]
+
+    def _top_one_row(self, k_, tab: np.ndarray, k0, k1, cols: int, n: int, k: int, spans):
+        """:meth:`top_dense` for one row, where an element's estimate is its cell's value (signed):
+        the k-th magnitude is found over the cells, weighted by their element counts (cached), and
+        one pass over the elements keeps those whose cell is at or above it (a bitmap of the cells,
+        ~cols / 8 bytes, in cache). False where it does not apply (many ties at the cut: the
+        general passes), None for NaN estimates."""
+        counts = self._cell_counts(k_, n, k0, k1, cols, spans)
+        hist = np.zeros(k_.BINS, dtype=np.int64)
+        if k_.cells_hist(tab, counts, -1, hist):
+            return None
+        top, need = _bin_of(hist, k)
+        if need == hist[top]:
+            cut, take, tied = (top << 16) - 1, 0, 0
+        else:
+            low_hist = np.zeros(k_.BINS, dtype=np.int64)
+            k_.cells_hist(tab, counts, top, low_hist)
+            low, take = _bin_of(low_hist, need)
+            cut, tied = (top << 16) | low, int(low_hist[low])
+            if take == tied:  # every tie is taken: keep all at or above the cut
+                cut, take, tied = cut - 1, 0, 0
+            elif tied > max(k, THREAD_MIN):  # the ties' lists would be large: the general passes
+                return False
+        words = (cols + 63) // 64
+        marks, prefix = np.empty(words, dtype=np.uint64), np.empty(words, dtype=np.int64)
+        vals = np.empty(cols, dtype=np.float32)  # only the marked cells' pages are touched
+        k_.cells_mark(tab, counts, cut + (1 if tied == 0 else 0), marks, prefix, vals)  # no ties: only those above
+        y = host_empty(n, torch.float32, at_least=MMAPPED)
+        yn = y.numpy()
+        bufs = [(np.empty(min(k, b - a), dtype=np.int64), np.empty(min(tied, b - a), dtype=np.int64))
+                for a, b in spans]
+        got = kernels.run_parallel(
+            (lambda a=a, b=b, p=p, t=t: k_.keep_cells(marks, prefix, vals, k0, k1, cols, cut, a, yn[a:b], p, t))
+            for (a, b), (p, t) in zip(spans, bufs))
+        pieces = []
+        for (o, t), (p, ties) in zip(got, bufs):  # the ties at the cut, taken in position order
+            use = min(t, take)
+            take -= use
+            if t == 0:
+                pieces.append(p[:o])
+                continue
+            out = np.empty(o + use, dtype=np.int64)
+            k_.merge_ties(p, o, ties[:t], use, out, yn)
+            pieces.append(out)
+        pos = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        assert pos.shape[0] == k, (pos.shape[0], k)
+        return torch.from_numpy(pos), y
+
+    def zero_cells(self, positions: torch.Tensor, y: torch.Tensor, *tables: torch.Tensor, load: bool = True) -> None:
+        """Zero ``tables`` (momentum, error) at every cell where the sketch of ``y`` is nonzero, ``y``
+        nonzero at ``positions`` (ascending) only: FetchSGD's ``S[sketch(delta) != 0] = 0``, from the
+        k kept coordinates instead of a sketch of the whole dense vector (their fp32 sums are the
+        same: zeros add nothing)."""
+        n = y.numel()
+        k_ = (kernels.get() if load else kernels.for_encode()) if all(
+            t.device.type == "cpu" and t.dtype == torch.float32 for t in (y, *tables)) else None
+        if k_ is None:
+            applied = self.sketch(y) != 0
+            for t in tables:
+                t[applied] = 0
+            return
+        mask = torch.zeros(self.cells(n))
+        keys = np.array(self._row_keys(n), dtype=np.uint32).reshape(-1, 2)
+        k_.sketch_at(positions.numpy(), y.numpy(), keys[:, 0].copy(), keys[:, 1].copy(), self.cols(n), mask.numpy())
+        for t in tables:
+            k_.zero_where(mask.numpy(), t.numpy())
+
+    def sketch_entries(self, positions: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
+        """The table of the n-element vector holding ``values`` at ``positions`` (ascending, distinct)
+        and zero elsewhere: :meth:`sketch`'s bits, hashing only those positions where the compiled
+        loops are loaded."""
+        k_ = kernels.get() if positions.device.type == "cpu" and values.device.type == "cpu" \
+            and values.dtype == torch.float32 else None
+        if k_ is None:
+            y = torch.zeros(n, device=values.device)
+            y[positions] = values.float()
+            return self.sketch(y)
+        table = torch.zeros(self.cells(n))
+        keys = np.array(self._row_keys(n), dtype=np.uint32).reshape(-1, 2)
+        k_.sketch_values_at(positions.contiguous().numpy(), values.contiguous().numpy(), keys[:, 0].copy(),
+                            keys[:, 1].copy(), self.cols(n), table.numpy())
+        return table
 
     def cells(self, n: int) -> int:
         """Table size (rows x cols) for a segment of ``n`` elements."""
@@ -317,6 +498,15 @@ class CountSketch(Reducer):
 
     def expand(self, values: torch.Tensor, aux, seg: Segment) -> torch.Tensor:
         return self.heavy_hitters(values, seg.numel, version=aux or self.wire_version)
+
+
+def _bin_of(hist: np.ndarray, k: int) -> tuple[int, int]:
+    """(the bin holding the k-th largest counted in ``hist``, how many of that bin are among the k
+    largest): bins ordered as their values (1 <= k <= hist.sum())."""
+    from_top = np.cumsum(hist[::-1])
+    i = int(np.searchsorted(from_top, k))  # the first count from the top reaching k
+    b = hist.shape[0] - 1 - i
+    return b, k - int(from_top[i] - hist[b])
 
 
 def _top_lowest_ties(mag: torch.Tensor, k: int) -> torch.Tensor:
