@@ -229,9 +229,9 @@ class ServerFeedback:
 
     def _step(self, broadcast: Codec | None, nonce: int, round: int) -> tuple[dict[str, torch.Tensor], bytes | None]:
         reducer = self.reducer
-        out = {t.name: torch.zeros(t.shape, dtype=t.torch_dtype) for t in self.layout.tensors}
         if self._error is None:
             if self._sum is None:  # no upload ever: nothing to apply
+                out = {t.name: torch.zeros(t.shape, dtype=t.torch_dtype) for t in self.layout.tensors}
                 return out, (broadcast.encode(out, nonce=nonce, round=round).payload if broadcast else None)
             self._velocity = [torch.zeros(s.numel()) for s in self._sum[:-1]]
             self._error = [torch.zeros(s.numel()) for s in self._sum[:-1]]
@@ -241,7 +241,8 @@ class ServerFeedback:
         else:
             sums = [torch.zeros(e.numel(), dtype=torch.float64) for e in self._error]
             sums.append(torch.zeros(sum(t.numel for t in self._exact), dtype=torch.float64))
-        deltas = []
+        deltas, out = [], {}  # every tensor is set below: the sketched from their segment's delta (a
+        # view where the dtype is fp32), the others from the exact mean (no dense zeros made first)
         for j, ((seg, group), s_j) in enumerate(zip(self._segments, sums)):
             delta = sketch_step(reducer, self._velocity[j], self._error[j], s_j.float(), self.momentum, seg.numel)
             deltas.append(delta)
@@ -255,6 +256,7 @@ class ServerFeedback:
             v = mean[offset:offset + spec.numel].view(spec.shape)
             out[spec.name] = v.to(spec.torch_dtype) if spec.is_float else torch.round(v).to(spec.torch_dtype)
             offset += spec.numel
+        out = {t.name: out[t.name] for t in self.layout.tensors}  # layout order
         self._sum = None
         self.count, self.weight = 0, 0.0
         if broadcast is None:
@@ -267,10 +269,19 @@ class ServerFeedback:
                 f"the download codec {broadcast.spec!r} could not encode the server's step "
                 f"({type(exc).__name__}: {exc})", out) from exc
         for j, (seg, group) in enumerate(self._segments):  # the broadcast's loss stays in the error,
-            # and so does what the model's dtype could not hold (fp16 rounding, values past its range)
-            names = [self._sketch_layout.tensors[i].name for i in group]
-            dropped = deltas[j] - torch.cat([sent[n].reshape(-1).float() for n in names])
-            self._error[j].add_(reducer.sketch(dropped))
+            # and so does what the model's dtype could not hold (fp16 rounding, values past its range):
+            # sketched from where it is nonzero (the kept coordinates, mostly), tensor by tensor,
+            # the bits of sketching the dense difference (zeros add nothing)
+            positions, values, offset = [], [], 0
+            for i in group:
+                spec = self._sketch_layout.tensors[i]
+                diff = deltas[j][offset:offset + spec.numel] - sent[spec.name].reshape(-1).float()
+                nz = torch.nonzero(diff).squeeze(1)
+                positions.append(nz + offset)
+                values.append(diff[nz])
+                offset += spec.numel
+                del diff
+            self._error[j].add_(reducer.sketch_entries(torch.cat(positions), torch.cat(values), seg.numel))
         return sent, encoded.payload
 
 

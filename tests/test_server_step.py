@@ -178,3 +178,38 @@ def test_cell_counts_are_the_hashes_histogram():
     counts = cs._cell_counts(k_, n, keys[0, 0], keys[0, 1], cs.cols(n), [(0, n // 3), (n // 3, n)])
     cells = torch.cat([c[0] for _, _, c, _ in cs._hash_chunks(n, torch.device("cpu"))])
     assert np.array_equal(counts, np.bincount(cells.numpy(), minlength=cs.cols(n)))
+
+
+@pytest.mark.parametrize("spec", ["sketch()", "sketch(rows=5, cols=3000, ratio=0.02)+qsgd(bits=4)"])
+def test_server_feedback_rounds_same_with_and_without_compiled_loops(spec, monkeypatch):
+    """ServerFeedback's step and step_broadcast (the dropped part sketched from its nonzeros): the same
+    steps, payloads and tables as the torch path, round after round."""
+    import fedcomp
+    from fedcomp.server_feedback import ServerFeedback
+
+    g = torch.Generator().manual_seed(5)
+    model = {"w": torch.zeros(301, 173), "b": torch.zeros(173), "h": torch.zeros(64, dtype=torch.float16)}
+    layout = fedcomp.Layout.of(model)
+    codec = fedcomp.build_codec(spec)
+    down = fedcomp.build_codec("topk(ratio=0.02)+kbit(bits=4,stochastic=true)")
+    uploads = [[codec.encode({k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in model.items()},
+                             nonce=r * 10 + i, round=r).payload for i in range(3)] for r in range(3)]
+    runs = []
+    for env in ("auto", "0"):
+        monkeypatch.setenv("FEDCOMP_KERNELS", env)
+        fb = ServerFeedback(codec, layout, momentum=0.9)
+        got = []
+        for r, ups in enumerate(uploads):
+            for i, p in enumerate(ups):
+                fb.add(p, weight=1 + i)
+            if r == 1:
+                got.append((fb.step(), b""))
+            else:
+                got.append(fb.step_broadcast(down, nonce=r, round=r))
+        runs.append((got, [t.clone() for t in fb._error], [t.clone() for t in fb._velocity]))
+    (a, ea, va), (b, eb, vb) = runs
+    for (sa, pa), (sb, pb) in zip(a, b):
+        assert pa == pb
+        assert list(sa) == list(sb) == list(layout.names)
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert all(torch.equal(x, y) for x, y in zip(ea + va, eb + vb))
