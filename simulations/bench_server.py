@@ -24,6 +24,14 @@ for the smallest N, for contrast.
     python -m fedcomp.simulations.bench_server --quick                  # seconds: what tests/test_bench.py runs
     python -m fedcomp.simulations.bench_server --codecs 'kbit(bits=4)' --clients 50 200 --threads 1 --json kbit.json
     python -m fedcomp.simulations.bench_server --table topk.json kbit.json ...   # the README table from saved rows
+    python -m fedcomp.simulations.bench_server --fetchsgd --params 25000000 --rows 1 5   # FetchSGD's server step
+
+``--fetchsgd``: the once-a-round server step of FetchSGD (:meth:`ServerFeedback.step`: momentum, error,
+unsketch + top-k, zeroing the applied cells) on a ``params``-element model, uploads
+``sketch(rows=R, ratio=0.02)`` (automatic cols), timed best of ``--repeats`` with the compiled passes
+(``CountSketch.top_dense``) and with the torch path (the same code with ``top_dense`` off), alternating
+in one process, the same delta checked; plus the step's working memory (peak RSS above the RSS before
+it, in dense copies; the returned delta is one).
 """
 
 from __future__ import annotations
@@ -234,6 +242,82 @@ def run(codecs, clients, params, distinct, naive, threads: int = 2) -> list[dict
     return rows
 
 
+def fetchsgd(params: int, rows_list, ratio: float, repeats: int, threads: int, reference: bool = True) -> list[dict]:
+    """Time ServerFeedback.step at ``params`` elements, compiled passes against the torch path (see
+    the module docstring); returns one row per sketch row count."""
+    import gc
+
+    import torch
+
+    import fedcomp
+    from fedcomp import kernels
+    from fedcomp.codecs.sketch import CountSketch
+    from fedcomp.server_feedback import ServerFeedback
+
+    torch.set_num_threads(max(1, threads))
+    kernels.get()
+    shapes = model_shapes(params)
+    layout = fedcomp.Layout.of(_make_update(shapes, 0))
+    dense = layout.dense_bytes()
+    out = []
+    for rows in rows_list:
+        spec = f"sketch(rows={rows},ratio={ratio})"
+        codec = fedcomp.build_codec(spec)
+        encode_s = time.perf_counter()
+        ups = [codec.encode(_make_update(shapes, i + 1), nonce=i + 1, round=1).payload for i in range(2)]
+        encode_s = (time.perf_counter() - encode_s) / len(ups)
+        fb_fast, fb_ref = ServerFeedback(codec, layout, momentum=0.9), ServerFeedback(codec, layout, momentum=0.9)
+        values = [fb_fast.decode(p) for p in ups]
+        fast_top = CountSketch.top_dense
+
+        def step(fb, fast: bool, i: int):
+            fb.add_values(values[i % len(values)], 1.0)
+            if not fast:
+                CountSketch.top_dense = lambda *a, **k: None  # the torch path (what ran before)
+            try:
+                gc.collect()
+                rss = _rss_kb("VmRSS")
+                exact = _reset_peak()
+                t0 = time.perf_counter()
+                delta = fb.step()
+                dt = time.perf_counter() - t0
+                peak = _rss_kb("VmHWM") if exact else 0
+            finally:
+                CountSketch.top_dense = fast_top
+            return delta, dt, (peak - rss) * 1024 / dense if exact else float("nan")
+
+        first = step(fb_fast, True, 0)[1]  # the first fast step counts each cell's elements (cached)
+        if reference:
+            step(fb_ref, False, 0)
+        best = {"fast": math.inf, "torch": math.inf}
+        mem = {"fast": 0.0, "torch": 0.0}
+        same = True
+        for i in range(1, repeats + 1):
+            d_fast, t_fast, m_fast = step(fb_fast, True, i)
+            best["fast"], mem["fast"] = min(best["fast"], t_fast), max(mem["fast"], m_fast)
+            if reference:
+                d_ref, t_ref, m_ref = step(fb_ref, False, i)
+                best["torch"], mem["torch"] = min(best["torch"], t_ref), max(mem["torch"], m_ref)
+                same &= all(torch.equal(d_fast[k], d_ref[k]) for k in d_fast)
+            del d_fast
+            d_ref = None
+        reducer = codec.reducer
+        row = {"spec": spec, "params": layout.numel, "cells": reducer.cells(layout.numel),
+               "kept": reducer.kept(layout.numel), "threads": threads, "repeats": repeats,
+               "step_s": best["fast"], "first_step_s": first, "torch_step_s": best["torch"] if reference else None,
+               "speedup": best["torch"] / best["fast"] if reference else None, "same_delta": same if reference else None,
+               "step_working_dense_copies": mem["fast"], "torch_working_dense_copies": mem["torch"] if reference else None,
+               "encode_s": encode_s}
+        out.append(row)
+        ref = (f" | torch path {row['torch_step_s'] * 1e3:8.1f} ms ({row['speedup']:.1f}x), same delta: {same}"
+               if reference else "")
+        print(f"{spec:30s} {layout.numel:,} elements, k {row['kept']:,}, {threads} threads | step "
+              f"{row['step_s'] * 1e3:7.1f} ms (first {first * 1e3:.0f} ms){ref} | working memory "
+              f"{row['step_working_dense_copies']:.2f} dense copies"
+              + (f" (torch path {row['torch_working_dense_copies']:.2f})" if reference else ""), flush=True)
+    return out
+
+
 def markdown(rows: list[dict]) -> str:
     """The README's server-scale table: working memory (dense copies) and ms per client per N."""
     counts = sorted({r["clients"] for r in rows if not r["naive"]})
@@ -264,6 +348,12 @@ def main(argv=None) -> None:
                     "waiting threads of a busy machine inflate times)")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the README table of rows saved with --json, and stop")
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 and 4 clients, top-k only (smoke test)")
+    ap.add_argument("--fetchsgd", action="store_true", help="time FetchSGD's server step (ServerFeedback.step) "
+                    "instead, compiled passes against the torch path; --params (default here 25M), --rows, --ratio")
+    ap.add_argument("--rows", nargs="+", type=int, default=[1], help="--fetchsgd: sketch rows")
+    ap.add_argument("--ratio", type=float, default=0.02, help="--fetchsgd: heavy hitters' share")
+    ap.add_argument("--repeats", type=int, default=5, help="--fetchsgd: timed steps per path (best is reported)")
+    ap.add_argument("--no-reference", action="store_true", help="--fetchsgd: skip the torch path")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -272,6 +362,13 @@ def main(argv=None) -> None:
         return
     if args.table:
         print(markdown([r for path in args.table for r in json.load(open(path))]))
+        return
+    if args.fetchsgd:
+        params = args.params if "--params" in (argv if argv is not None else sys.argv) else 25_000_000
+        rows = fetchsgd(params, args.rows, args.ratio, args.repeats, args.threads, not args.no_reference)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
         return
     if args.quick:
         args.params, args.clients, args.codecs, args.distinct = 50_000, [2, 4], ["topk(ratio=0.01)+qsgd(bits=4)"], 2
