@@ -21,7 +21,16 @@ protobuf bodies (the relay parses the frames) and counts the Fleet RPCs by name 
 runs with ``FLWR_LOG_LEVEL=DEBUG`` and logs each one), and it counts the ClientApp processes the
 SuperNodes start (one per message) with their lifetime and CPU time.
 
-Everything listens on 127.0.0.1 only, on free ports. Every process is started here in its own
+Links (``--links``, :func:`deployment`'s ``links``): each SuperNode gets its own link, uplink and
+downlink rates and a latency. ``--shaping kernel`` puts each SuperNode in its own network
+namespace behind a veth pair with tc rate limits per direction (:mod:`fedcomp.simulations.shaped`)
+and its own relay on the veth's root end (which adds the latency: no netem here); ``--shaping
+relay`` keeps everything on loopback and lets each node's relay pace both directions with a token
+bucket (the fallback that runs anywhere); ``auto`` (default) picks kernel where namespaces and tc
+work. ``python -m fedcomp.simulations.deploy_links`` runs the time-to-accuracy study on such links.
+
+Everything listens on 127.0.0.1 only (with kernel-shaped links: also on the root ends of the veth
+pairs this process creates, 10.b.i.1), on free ports. Every process is started here in its own
 session and stopped by PID (its process group, then any descendant that left the group), in
 ``finally``. Importable: the tests use :func:`deployment`, :func:`run_app` and friends.
 """
@@ -45,8 +54,10 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from fedcomp.links import Link
 from fedcomp.simulations.certs import NodeKey, TlsFiles, make_ca_and_server_cert, make_node_keys
-from fedcomp.simulations.relay import Counts, Relay
+from fedcomp.simulations.relay import Counts, Relay, RelayGroup
+from fedcomp.simulations.shaped import MIXES, ShapedNetwork, ShapingUnavailable, check_available, node_links
 
 __all__ = [
     "ClientAppSampler",
@@ -66,6 +77,7 @@ __all__ = [
     "start_supernode",
     "stop_process",
     "wait_for_nodes",
+    "SHAPINGS",
     "main",
 ]
 
@@ -73,9 +85,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CONNECTION = "fedcomp-deploy"
 RESERVED_PORTS = range(39091, 39094)  # someone else's SuperLink on this machine
 _ACTIVATED = re.compile(r"Activated node_id=(\d+)")
+_NODE_ID = re.compile(r"SuperNode ID: (\d+)")
 # Fleet RPCs as the SuperLink logs them at DEBUG; PullMessages logs two lines per call ("node_id=..."
 # and "Request: ..."), SendNodeHeartbeat only "Request: ...": count one line per call
 _RPC = re.compile(r"\[Fleet\.(\w+)\] (Request: )?")
+SHAPINGS = ("auto", "kernel", "relay")  # how per-node links are made (see the module docstring)
 
 
 # --------------------------------------------------------------------------------- processes
@@ -310,7 +324,7 @@ class Deployment:
     workdir: Path
     cli_env: dict[str, str]  # env for the `flwr` CLI: FLWR_HOME holds config.toml
     superlink: Proc
-    relay: Relay
+    relay: Relay | RelayGroup  # with per-node links: every node's relay, read as one
     fleet_port: int
     http_port: int
     tls: TlsFiles | None = None
@@ -318,6 +332,22 @@ class Deployment:
     node_keys: list[NodeKey] = dataclasses.field(default_factory=list)
     supernodes: list[Proc] = dataclasses.field(default_factory=list)
     extra: list[Proc] = dataclasses.field(default_factory=list)  # e.g. an unregistered node
+    links: list[Link] | None = None  # per-node links (None: plain loopback, one relay)
+    shaping: str | None = None  # 'kernel' or 'relay' with links
+    net: ShapedNetwork | None = None  # the namespaces, with kernel shaping
+    node_relays: list[Relay] = dataclasses.field(default_factory=list)  # one per node, with links
+
+    def relay_of(self, index: int) -> Relay | RelayGroup:
+        """The relay SuperNode ``index`` connects to."""
+        if self.node_relays:
+            return self.node_relays[index if index < len(self.node_relays) else 0]
+        return self.relay
+
+    def exec_prefix(self, index: int) -> list[str]:
+        """Prefix that runs a command in SuperNode ``index``'s namespace ([] without kernel shaping)."""
+        if self.net is None:
+            return []
+        return self.net.exec_prefix(min(index, len(self.net.nodes) - 1))
 
     def log_offset(self) -> int:
         """Current length of the SuperLink log (to count RPCs from here on, see :meth:`rpcs`)."""
@@ -331,6 +361,15 @@ class Deployment:
                 continue
             counts[name] = counts.get(name, 0) + 1
         return dict(sorted(counts.items()))
+
+    def node_ids(self) -> dict[int, int]:
+        """Flower node id -> SuperNode index (partition id), from the SuperNodes' logs."""
+        out = {}
+        for i, proc in enumerate(self.supernodes):
+            m = _NODE_ID.search(proc.log())
+            if m:
+                out[int(m.group(1))] = i
+        return out
 
     def activated_nodes(self) -> list[int]:
         """Node ids the SuperLink has activated so far (from its log)."""
@@ -417,13 +456,19 @@ def start_supernode(
     name: str | None = None,
     max_retries: int | None = None,
     isolation: str = "subprocess",
+    declare_link: bool = False,
+    extra_env: dict[str, str] | None = None,
 ) -> Proc:
-    """Start one ``flower-supernode`` connecting to the relay, with its partition as node config."""
+    """Start one ``flower-supernode`` connecting to its relay, with its partition as node config
+    (and, with ``declare_link``, its link's keys: ``uplink-kbps=... downlink-kbps=... latency-ms=...``).
+    With kernel-shaped links it runs in its namespace (``ip netns exec``: the same PID)."""
     name = name or f"supernode-{index}"
     node_config = f"partition-id={index} num-partitions={num_partitions}"
     if device:
         node_config += f" device='{device}'"
-    cmd = ["flower-supernode", "--grpc-rere", "--superlink", dep.relay.address]
+    if declare_link and dep.links and index < len(dep.links):
+        node_config += " " + dep.links[index].describe()
+    cmd = [*dep.exec_prefix(index), "flower-supernode", "--grpc-rere", "--superlink", dep.relay_of(index).address]
     if dep.tls is None:
         cmd.append("--insecure")
     else:
@@ -438,6 +483,7 @@ def start_supernode(
     home = dep.workdir / f"{name}-home"  # own FLWR_HOME: nodes install the app bundle separately
     home.mkdir(parents=True, exist_ok=True)
     env = flower_env(home)
+    env.update(extra_env or {})
     proc = _spawn(name, cmd, env, dep.workdir / "logs" / f"{name}.log", dep.workdir)
     if isolation == "process":
         # the SuperNode does not start a SuperExec: run one next to it, as one would in a
@@ -446,7 +492,7 @@ def start_supernode(
             _wait_port(runtime_port, proc, 60)
             dep.extra.append(_spawn(
                 f"{name}-superexec",
-                ["flower-superexec", "--insecure", "--runtime-api-address", f"127.0.0.1:{runtime_port}",
+                [*dep.exec_prefix(index), "flower-superexec", "--insecure", "--runtime-api-address", f"127.0.0.1:{runtime_port}",
                  "--parent-pid", str(proc.pid)],
                 env, dep.workdir / "logs" / f"{name}-superexec.log", dep.workdir,
             ))
@@ -493,28 +539,72 @@ def deployment(
     wait: bool = True,
     count_rpcs: bool = True,
     superlink_env: dict[str, str] | None = None,
+    links: Sequence[Link] | None = None,
+    shaping: str = "auto",
+    qdisc: str = "tbf",
+    declare_links: bool = False,
+    supernode_env: dict[str, str] | None = None,
 ) -> Iterator[Deployment]:
     """SuperLink + relay + ``num_supernodes`` SuperNodes; everything is stopped on exit.
 
     With ``auth`` (needs ``tls``), one key pair per SuperNode is made and registered with
     ``flwr supernode register`` before the SuperNodes start.
+
+    ``links`` (one per SuperNode): per-node links, made as ``shaping`` says: ``'kernel'`` (a
+    namespace per node, tc rates, the relay adds the latency; raises
+    :class:`~fedcomp.simulations.shaped.ShapingUnavailable` where namespaces or tc do not work),
+    ``'relay'`` (loopback, each node's relay paces both directions and adds the latency), ``'auto'``
+    (kernel where it works, else relay). ``declare_links`` also puts each link into its node's
+    ``--node-config`` (budgets from declared links; leave it off for measured links).
     """
     if auth and not tls:
         raise ValueError("SuperNode authentication needs TLS (Flower refuses it without)")
+    if shaping not in SHAPINGS:
+        raise ValueError(f"shaping={shaping!r} is invalid: one of {SHAPINGS}")
+    if links is not None:
+        links = list(links)
+        if len(links) != num_supernodes:
+            raise ValueError(f"{len(links)} links for {num_supernodes} SuperNodes: give one link per SuperNode")
+        if shaping == "auto":
+            try:
+                check_available(qdisc)
+                shaping = "kernel"
+            except ShapingUnavailable as exc:
+                print(f"deploy: kernel-shaped links unavailable ({exc}); the relays' token buckets shape instead",
+                      file=sys.stderr)
+                shaping = "relay"
+        if shaping == "kernel":
+            check_available(qdisc)
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     tls_files = make_ca_and_server_cert(workdir / "certs") if tls else None
     cli_home = workdir / "cli-home"
     _write_cli_config(cli_home, 0, tls_files)  # rewritten once the port is known
-    superlink = relay = None
+    superlink = relay = net = None
+    node_relays: list[Relay] = []
     dep: Deployment | None = None
     subreaper = _set_subreaper(True)
+    previous_sigint = _sigint_raises()
     try:
         superlink, fleet_port, http_port = start_superlink(workdir, tls_files, auth, count_rpcs, superlink_env)
         _write_cli_config(cli_home, http_port, tls_files)
-        relay = Relay("127.0.0.1", fleet_port).start()
+        if links is None:
+            relay = Relay("127.0.0.1", fleet_port).start()
+        else:
+            if shaping == "kernel":
+                net = ShapedNetwork(links, qdisc=qdisc).open()
+            for i, link in enumerate(links):
+                if net is not None:  # the kernel limits the rates; the relay adds the latency
+                    node_relays.append(Relay("127.0.0.1", fleet_port, listen_host=net.node(i).host_addr,
+                                             latency_ms=link.latency_ms).start())
+                else:
+                    node_relays.append(Relay("127.0.0.1", fleet_port, latency_ms=link.latency_ms,
+                                             up_kbps=link.uplink_kbps, down_kbps=link.downlink_kbps).start())
+            relay = RelayGroup(node_relays)
         dep = Deployment(workdir=workdir, cli_env=flower_env(cli_home), superlink=superlink, relay=relay,
-                         fleet_port=fleet_port, http_port=http_port, tls=tls_files, auth=auth)
+                         fleet_port=fleet_port, http_port=http_port, tls=tls_files, auth=auth,
+                         links=links, shaping=shaping if links is not None else None, net=net,
+                         node_relays=node_relays)
         if auth:
             dep.node_keys = make_node_keys(workdir / "certs" / "keys",
                                            [f"supernode-{i}" for i in range(num_supernodes)])
@@ -523,7 +613,7 @@ def deployment(
         for i in range(num_supernodes):
             dep.supernodes.append(start_supernode(
                 dep, i, num_supernodes, key=dep.node_keys[i] if auth else None, device=device,
-                isolation=isolation,
+                isolation=isolation, declare_link=declare_links, extra_env=supernode_env,
             ))
         if wait:
             wait_for_nodes(dep, num_supernodes)
@@ -534,11 +624,29 @@ def deployment(
                 stop_process(proc)
         if relay is not None:
             relay.stop()
+        else:
+            for r in node_relays:
+                r.stop()
         if superlink is not None:
             stop_process(superlink)
         if subreaper:
             reap_adopted()
             _set_subreaper(False)
+        if net is not None:  # after the processes in the namespaces are gone
+            net.close()
+        if previous_sigint is not None:
+            signal.signal(signal.SIGINT, previous_sigint)
+
+
+def _sigint_raises():
+    """Make SIGINT raise KeyboardInterrupt (so ``finally`` tears everything down) where a caller
+    had set it to be ignored or to a C handler; returns the previous handler (None off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    return previous
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -868,7 +976,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="per-run timeout in seconds")
     parser.add_argument("--json", type=Path, default=None, help="also write all figures to this JSON file")
     parser.add_argument("--app-dir", type=Path, default=ROOT, help=f"Flower app to run (default: {ROOT})")
+    parser.add_argument("--links", default=None,
+                        help=f"a link per SuperNode: a mix {sorted(MIXES)}, a preset, 'mixed' or a .csv/.toml table "
+                             "(default: none, plain loopback)")
+    parser.add_argument("--shaping", default="auto", choices=SHAPINGS,
+                        help="with --links: kernel (namespaces + tc), relay (token buckets), auto (kernel where it works)")
+    parser.add_argument("--declare-links", action="store_true",
+                        help="with --links: also give each SuperNode its link as node config (declared-link budgets)")
     args = parser.parse_args(argv)
+    links = node_links(args.links, args.supernodes) if args.links else None
     if args.auth:
         args.tls = True
     if args.intruder and not args.auth:
@@ -881,8 +997,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t_start = time.monotonic()
     with deployment(out / "deploy", args.supernodes, tls=args.tls, auth=args.auth, device=args.device,
-                    isolation=args.isolation) as dep:
+                    isolation=args.isolation, links=links, shaping=args.shaping,
+                    declare_links=args.declare_links) as dep:
         t_up = time.monotonic() - t_start
+        if links is not None:
+            print(f"links ({dep.shaping}-shaped): " + "; ".join(f"node {i} {link.describe()}" for i, link in enumerate(links)))
         print(f"SuperLink: Fleet API 127.0.0.1:{dep.fleet_port} behind relay {dep.relay.address}, "
               f"HTTP API 127.0.0.1:{dep.http_port}; {args.supernodes} SuperNodes activated in {t_up:.1f} s"
               f"{' (TLS' + (' + node auth' if args.auth else '') + ')' if args.tls else ''}; logs in {out / 'deploy' / 'logs'}")

@@ -43,7 +43,7 @@ import struct
 import threading
 import time
 
-__all__ = ["Counts", "Relay", "H2_FIELDS"]
+__all__ = ["Counts", "Relay", "RelayGroup", "H2_FIELDS"]
 
 _CHUNK = 256 * 1024
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -423,3 +423,39 @@ class Relay:
                     writer.close()
             if task is not None:
                 self._tasks.discard(task)
+
+
+class RelayGroup:
+    """Several relays read as one (one per node on per-node links): counts and the HTTP/2
+    breakdown are summed over the members; :meth:`stop` stops them all."""
+
+    def __init__(self, relays: list[Relay]) -> None:
+        if not relays:
+            raise ValueError("RelayGroup needs at least one relay")
+        self.relays = list(relays)
+
+    @property
+    def address(self) -> str:
+        return self.relays[0].address
+
+    def counts(self) -> Counts:
+        total = Counts()
+        for relay in self.relays:
+            total = total + relay.counts()
+        return total
+
+    def http2_counts(self) -> dict[str, dict[str, int]]:
+        out = {d: dict.fromkeys(H2_FIELDS, 0) for d in ("client_to_server", "server_to_client")}
+        for relay in self.relays:
+            for d, values in relay.http2_counts().items():
+                for k, v in values.items():
+                    out[d][k] += v
+        return out
+
+    def reset(self) -> None:
+        for relay in self.relays:
+            relay.reset()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for relay in self.relays:
+            relay.stop(timeout)

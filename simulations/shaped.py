@@ -42,12 +42,36 @@ from collections.abc import Sequence
 from fedcomp.links import Link
 
 __all__ = [
-    "PREFIX", "NodeNet", "ShapedNetwork", "ShapingUnavailable", "available", "check_available",
+    "MIXES", "node_links", "PREFIX", "NodeNet", "ShapedNetwork", "ShapingUnavailable", "available", "check_available",
     "cleanup_stale", "measure_throughput", "tc_rate_args",
 ]
 
 PREFIX = "fcshp"  # namespace names: fcshp-<pid>-<index>
 QDISCS = ("tbf", "htb")
+
+
+# Deployment link mixes (node i gets mix[i % len(mix)]): 'mbit-mix' is the issue's mixed uplinks of
+# 1, 5 and 20 Mbit/s with 10x faster downlinks (the simulator's 'mixed' spans 200 kbit/s to 10 Gbit/s:
+# too slow at one end for a dense model and too fast at the other for this machine to shape).
+MIXES: dict[str, list[Link]] = {
+    "mbit-mix": [Link(uplink_kbps=1_000, downlink_kbps=10_000, latency_ms=50),
+                 Link(uplink_kbps=5_000, downlink_kbps=50_000, latency_ms=30),
+                 Link(uplink_kbps=20_000, downlink_kbps=200_000, latency_ms=10)],
+}
+
+
+def node_links(profile: str, count: int, seed: int = 0) -> list[Link]:
+    """One link per node: a mix of :data:`MIXES` (cycled), or anything ``link-profile`` takes
+    (a preset of :data:`fedcomp.links.PRESETS`, ``'mixed'``, a .csv/.toml table by partition id)."""
+    from fedcomp import links as L
+
+    if profile in MIXES:
+        mix = MIXES[profile]
+        return [mix[i % len(mix)] for i in range(count)]
+    if profile in (L.NONE, L.MEASURED) or L.measured_profile(profile) is not None:
+        raise ValueError(f"links={profile!r} is invalid: a mix {sorted(MIXES)}, a preset {sorted(L.PRESETS)}, "
+                         f"'mixed' or a table path (the links to shape, not a run's link-profile)")
+    return [L.link_for(i, count, profile, seed) for i in range(count)]
 
 
 class ShapingUnavailable(RuntimeError):

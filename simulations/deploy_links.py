@@ -1,0 +1,276 @@
+"""Wall-clock time-to-accuracy of Flower's deployment engine on shaped links: dense vs fedcomp.
+
+One deployment (:func:`fedcomp.simulations.deploy.deployment` with ``links``): a SuperLink and N
+SuperNodes, each SuperNode in its own network namespace with tc rate limits per direction and the
+latency added by its relay (:mod:`fedcomp.simulations.shaped`; ``--shaping relay`` where namespaces
+are unavailable). On it, one ``flwr run`` of the project's app per configuration:
+
+* ``dense``: ``upload='none()' download='none()'`` (what plain Flower sends),
+* ``defaults``: fedcomp's defaults (``upload='auto' download='auto'``),
+* ``budgets``: every node's shaped link declared (``link-profile`` = a per-partition table of the
+  same rates) and a round deadline: budgeted uploads,
+* ``measured``: ``link-profile='measured'`` and the same deadline: budgets from the links the
+  server measures from message timestamps (nothing declared).
+
+Per run and round it records the wall seconds since ``flwr run`` started (when ``results.json``
+showed the round), the accuracy and the bytes (``results.json`` and each node's relay), and writes
+under ``--out``: ``study.json`` (everything), ``table.md`` (time to the dense run's final accuracy
+minus ``--margin``, rounds, bytes, speed-up over dense), ``time_to_accuracy.png`` (accuracy against
+wall seconds) and, for the measured run, ``estimates.md`` (the estimated uplink and downlink kbps
+per node and round against the shaped rates).
+
+    python -m fedcomp.simulations.deploy_links --supernodes 8 --links mbit-mix --model mlp-large \\
+        --rounds dense=4,defaults=8,budgets=6,measured=6 --out results/shaped-links
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fedcomp.links import Link
+from fedcomp.simulations import deploy
+from fedcomp.simulations.shaped import MIXES, node_links
+
+__all__ = ["CONFIGS", "estimator_errors", "main", "time_to", "write_table"]
+
+BUDGET_UPLOAD = "topk(ratio=0.01,index='fixed')+qsgd(bits=4)"  # a codec with a free parameter (k)
+CONFIGS = ("dense", "defaults", "budgets", "measured")
+
+
+def run_config(name: str, model: str, deadline: float, table: Path, extra: str) -> str:
+    base = f"model='{model}' {extra}".strip()
+    if name == "dense":
+        return f"{base} upload='none()' download='none()'"
+    if name == "defaults":
+        return base
+    budget = f"round-deadline-s={deadline} upload=\"{BUDGET_UPLOAD}\" budget-fallback='coarsest'"
+    if name == "budgets":
+        return f"{base} link-profile='{table}' {budget}"
+    if name == "measured":
+        return f"{base} link-profile='measured' {budget}"
+    raise ValueError(f"configuration {name!r} is invalid: one of {CONFIGS}")
+
+
+def write_link_table(links: list[Link], path: Path) -> Path:
+    """The shaped links as a link-profile table (partition-id -> rates): what 'budgets' declares."""
+    rows = ["partition-id,uplink-kbps,downlink-kbps,latency-ms"]
+    rows += [f"{i},{link.uplink_kbps:g},{link.downlink_kbps:g},{link.latency_ms:g}" for i, link in enumerate(links)]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def series(run: deploy.RunResult) -> list[dict]:
+    """Per round: wall seconds since flwr run started, accuracy, bytes (content and relay)."""
+    out, clock, up, down, c2s, s2c = [], 0.0, 0, 0, 0, 0
+    for r in run.rounds:
+        clock += r.seconds
+        up += r.upload_bytes
+        down += r.download_bytes
+        c2s += r.relay.client_to_server
+        s2c += r.relay.server_to_client
+        out.append({"round": r.round, "wall_s": clock, "accuracy": r.accuracy, "upload_bytes": up,
+                    "download_bytes": down, "relay_c2s": c2s, "relay_s2c": s2c, "round_s": r.seconds})
+    return out
+
+
+def time_to(rows: list[dict], target: float) -> dict | None:
+    """The first round reaching ``target`` accuracy (its row), or None."""
+    for row in rows:
+        if row["accuracy"] >= target:
+            return row
+    return None
+
+
+def estimator_errors(results: dict, node_index: dict[int, int], links: list[Link]) -> list[dict]:
+    """Per node and round of a measured run: estimated up/down kbps against the shaped rates."""
+    out = []
+    for r in results.get("rounds", []):
+        for e in r.get("link_estimates", []):
+            i = node_index.get(int(e["node"]))
+            if i is None or "est_up_kbps" not in e:
+                continue
+            link = links[i]
+            out.append({"round": r["round"], "node": i, "up_kbps": link.uplink_kbps, "down_kbps": link.downlink_kbps,
+                        "est_up_kbps": e["est_up_kbps"], "est_down_kbps": e["est_down_kbps"],
+                        "up_error": e["est_up_kbps"] / link.uplink_kbps - 1,
+                        "down_error": e["est_down_kbps"] / link.downlink_kbps - 1,
+                        "observed_up_s": e.get("observed_up_s"), "observed_down_s": e.get("observed_down_s"),
+                        "upload_bytes": e.get("upload_bytes"), "download_bytes": e.get("download_bytes"),
+                        "est_up_latency_s": e.get("est_up_latency_s"), "est_down_latency_s": e.get("est_down_latency_s"),
+                        "budget": e.get("budget"), "compute_s": e.get("compute_s")})
+    return out
+
+
+def write_table(study: dict, margin: float) -> str:
+    runs = study["runs"]
+    dense = runs.get("dense")
+    lines = []
+    if not dense or not dense["series"]:
+        return "(no dense run)"
+    final = dense["series"][-1]["accuracy"]
+    target = final - margin
+    base = time_to(dense["series"], target)
+    lines.append(f"Target: the dense run's final accuracy {final:.2%} minus {margin * 100:g} point(s) = {target:.2%}.\n")
+    lines.append("| run | rounds | final acc | wall s (run) | time to target | rounds to target | speed-up vs dense | "
+                 "upload MB (results.json) | relay up MB | relay down MB | mean round s |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, run in runs.items():
+        rows = run["series"]
+        if not rows:
+            lines.append(f"| {name} | failed (rc {run['returncode']}) | | | | | | | | | |")
+            continue
+        hit = time_to(rows, target)
+        speed = (f"{base['wall_s'] / hit['wall_s']:.2f}x" if hit and base else "-")
+        last = rows[-1]
+        mean_round = sum(r["round_s"] for r in rows) / len(rows)
+        lines.append(
+            f"| {name} | {len(rows)} | {last['accuracy']:.2%} | {run['seconds']:.0f} | "
+            f"{'%.0f s' % hit['wall_s'] if hit else 'not reached'} | {hit['round'] if hit else '-'} | {speed} | "
+            f"{last['upload_bytes'] / 1e6:.2f} | {last['relay_c2s'] / 1e6:.2f} | {last['relay_s2c'] / 1e6:.2f} | "
+            f"{mean_round:.1f} |")
+    return "\n".join(lines)
+
+
+def write_estimates(errors: list[dict], links: list[Link], from_round: int = 5) -> str:
+    if not errors:
+        return "(no link estimates)"
+    lines = ["| node | shaped up / down kbps | est. up kbps (round 1..) | est. down kbps (round 1..) | "
+             f"up error from round {from_round} | down error from round {from_round} |", "|---|---|---|---|---:|---:|"]
+    for i, link in enumerate(links):
+        mine = sorted((e for e in errors if e["node"] == i), key=lambda e: e["round"])
+        late = [e for e in mine if e["round"] >= from_round]
+        up = ", ".join(f"{e['est_up_kbps']:,.0f}" for e in mine)
+        down = ", ".join(f"{e['est_down_kbps']:,.0f}" for e in mine)
+        ue = (f"{min(e['up_error'] for e in late):+.0%}..{max(e['up_error'] for e in late):+.0%}" if late else "-")
+        de = (f"{min(e['down_error'] for e in late):+.0%}..{max(e['down_error'] for e in late):+.0%}" if late else "-")
+        lines.append(f"| {i} | {link.uplink_kbps:,.0f} / {link.downlink_kbps:,.0f} | {up} | {down} | {ue} | {de} |")
+    late = [e for e in errors if e["round"] >= from_round]
+    if late:
+        ok_up = sum(abs(e["up_error"]) <= 0.15 for e in late)
+        ok_down = sum(abs(e["down_error"]) <= 0.15 for e in late)
+        lines.append(f"\nFrom round {from_round}: uplink estimates within 15% of the shaped rate in {ok_up}/{len(late)} "
+                     f"node-rounds, downlink in {ok_down}/{len(late)}.")
+    return "\n".join(lines)
+
+
+def plot(study: dict, path: Path, margin: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for name, run in study["runs"].items():
+        rows = run["series"]
+        if rows:
+            ax.plot([0] + [r["wall_s"] for r in rows], [0] + [r["accuracy"] * 100 for r in rows], marker="o",
+                    markersize=3, label=f"{name} ({rows[-1]['upload_bytes'] / 1e6:.1f} MB up)")
+    dense = study["runs"].get("dense", {}).get("series")
+    if dense:
+        ax.axhline((dense[-1]["accuracy"] - margin) * 100, color="grey", linestyle=":", linewidth=1,
+                   label="dense final - %g pt" % (margin * 100))
+    ax.set_xlabel("wall-clock seconds since flwr run")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"{study['supernodes']} SuperNodes on {study['shaping']}-shaped links ({study['links_name']}), "
+                 f"{study['model']}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=deploy.ROOT, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fedcomp.simulations.deploy_links", description=__doc__.split("\n")[0])
+    parser.add_argument("--supernodes", type=int, default=8)
+    parser.add_argument("--links", default="mbit-mix", help=f"a mix {sorted(MIXES)}, a preset, 'mixed' or a table")
+    parser.add_argument("--shaping", default="auto", choices=deploy.SHAPINGS)
+    parser.add_argument("--model", default="mlp-large")
+    parser.add_argument("--rounds", default="dense=4,defaults=8,budgets=6,measured=6",
+                        help="runs and their rounds, in order, e.g. dense=4,defaults=8 (names: %s)" % ", ".join(CONFIGS))
+    parser.add_argument("--deadline", type=float, default=15.0, help="round-deadline-s of budgets and measured")
+    parser.add_argument("--margin", type=float, default=0.01, help="target = dense final accuracy - margin")
+    parser.add_argument("--run-config", default="", help="extra run config for every run")
+    parser.add_argument("--threads", type=int, default=1, help="OMP/MKL threads per ClientApp (0: torch's default)")
+    parser.add_argument("--out", type=Path, default=Path("results/shaped-links"))
+    parser.add_argument("--work", type=Path, default=Path("outputs/shaped-links"),
+                        help="logs and results.json files (default: outputs/shaped-links, ignored by git and the FAB)")
+    parser.add_argument("--timeout", type=float, default=3600)
+    args = parser.parse_args(argv)
+    plan = []
+    for item in args.rounds.split(","):
+        name, _, n = item.partition("=")
+        if name not in CONFIGS or not n.isdigit():
+            parser.error(f"--rounds item {item!r} is invalid: name=rounds with name in {CONFIGS}")
+        plan.append((name, int(n)))
+    links = node_links(args.links, args.supernodes)
+    out = args.out.resolve()
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    table = write_link_table(links, out / "links.csv")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # finally tears down
+
+    env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)} if args.threads else None
+    study: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "commit": _commit(), "argv": sys.argv, "supernodes": args.supernodes, "links_name": args.links,
+                   "links": [link.describe() for link in links], "model": args.model, "deadline_s": args.deadline,
+                   "margin": args.margin, "runs": {}, "load_before": os.getloadavg()}
+    t0 = time.monotonic()
+    with deploy.deployment(work / "deploy", args.supernodes, links=links, shaping=args.shaping,
+                           supernode_env=env) as dep:
+        study["shaping"] = dep.shaping
+        study["startup_s"] = time.monotonic() - t0
+        nodes = dep.node_ids()
+        print(f"{args.supernodes} SuperNodes on {dep.shaping}-shaped links up in {study['startup_s']:.1f} s: "
+              + "; ".join(f"{i}: {link.describe()}" for i, link in enumerate(links)), flush=True)
+        for name, rounds in plan:
+            config = f"num-server-rounds={rounds} " + run_config(name, args.model, args.deadline, table, args.run_config)
+            print(f"\n[{name}] --run-config \"{config}\"", flush=True)
+            load = os.getloadavg()
+            per_node0 = [r.counts() for r in dep.node_relays]
+            run = deploy.run_app(dep, config, work / name, timeout=args.timeout)
+            per_node = [(r.counts() - c).as_dict() for r, c in zip(dep.node_relays, per_node0)]
+            rows = series(run) if run.ok else []
+            entry = {"run_config": config, "returncode": run.returncode, "seconds": run.seconds, "series": rows,
+                     "per_node_relay": per_node, "load_before": load, "load_after": os.getloadavg(),
+                     "clientapps": run.clientapps}
+            if run.ok and name == "measured":
+                entry["estimates"] = estimator_errors(run.results, nodes, links)
+            if run.ok:
+                entry["resolved"] = run.results.get("config", {}).get("resolved")
+            study["runs"][name] = entry
+            print(deploy.format_table(run), flush=True)
+            if not run.ok:
+                print(f"run failed (rc {run.returncode}):\n{run.log[-3000:]}", flush=True)
+            (out / "study.json").write_text(json.dumps(study, indent=1, default=str))
+    text = write_table(study, args.margin)
+    est = study["runs"].get("measured", {}).get("estimates")
+    if est is not None:
+        text += "\n\nMeasured-link estimates against the shaped rates:\n\n" + write_estimates(est, links)
+    (out / "table.md").write_text(text + "\n")
+    (out / "study.json").write_text(json.dumps(study, indent=1, default=str))
+    plot(study, out / "time_to_accuracy.png", args.margin)
+    print("\n" + text)
+    print(f"\nwritten: {out / 'table.md'}, {out / 'time_to_accuracy.png'}, {out / 'study.json'}")
+    return 0 if all(r["returncode"] == 0 for r in study["runs"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
