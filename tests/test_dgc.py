@@ -266,17 +266,28 @@ def test_dgc_momentum_of_a_reshaped_tensor_starts_from_zero():
 
 
 def test_warmup_fraction_schedule():
-    assert [warmup_fraction(0.001, 5, t) for t in range(8)] == [0.001, 0.25, 0.0625, 0.015625, 0.00390625, 0.001, 0.001, 0.001]
-    assert warmup_fraction(0.1, 4, 2) == 0.1  # floored at ratio
+    """Geometric from ``start`` in round 1 to ``ratio`` in round warmup + 1; 0.25 over 4 rounds to
+    0.001 is the paper's 75%, 93.75%, 98.4%, 99.6%, 99.9% sparsity."""
+    paper = [warmup_fraction(0.001, 4, t) for t in range(7)]
+    assert paper[0] == paper[5] == paper[6] == 0.001  # round 0 (unknown): no warm-up
+    assert paper[1] == 0.25
+    for got, want in zip(paper[2:5], [0.25**2, 0.25**3, 0.25**4]):
+        assert abs(got / want - 1) < 0.02, paper
+    short = [warmup_fraction(0.001, 2, t, start=0.016) for t in range(5)]
+    assert short[:2] == [0.001, 0.016] and abs(short[2] - 0.004) < 1e-12 and short[3:] == [0.001, 0.001]
+    assert warmup_fraction(0.3, 4, 2) == 0.3  # start (0.25) below ratio: ratio throughout
     assert warmup_fraction(0.001, 0, 1) == 0.001  # no warm-up
+    assert warmup_fraction(0.01, 3, 2, start=0.005) == 0.01
 
 
 def test_dgc_warmup_counts_per_round():
-    """1,000 elements (exact path): k_t = ceil(n max(ratio, 0.25^t)) in rounds 1..warmup, then ceil(n ratio)."""
+    """1,000 elements (exact path): k_t = ceil(1000 * 0.25 * 0.016 ** ((t - 1) / 6)) in rounds 1..6, then ceil(1000 * 0.004)."""
     codec = build_codec("dgc(ratio=0.004, warmup=6)")
     x = {"w": torch.randn(1000, generator=gen(8))}
     kept = [codec.encode(x, nonce=1, round=t).kept[0] for t in range(9)]
-    assert kept == [4, 250, 63, 16, 4, 4, 4, 4, 4]
+    assert kept == [4, 250, 126, 63, 32, 16, 8, 4, 4]
+    kept = [build_codec("dgc(ratio=0.004, warmup=2, start=0.016)").encode(x, nonce=1, round=t).kept[0] for t in range(5)]
+    assert kept == [4, 16, 8, 4, 4]
 
 
 def test_dgc_warmup_counts_on_a_large_segment_and_decoding_needs_no_round():
@@ -286,7 +297,7 @@ def test_dgc_warmup_counts_on_a_large_segment_and_decoding_needs_no_round():
     layout = Layout.of(x)
     for t in range(1, warmup + 3):
         enc = codec.encode(x, nonce=t, round=t)
-        assert_count(enc.kept[0], math.ceil(n * max(ratio, 0.25**t) if t <= warmup else n * ratio))
+        assert_count(enc.kept[0], math.ceil(n * warmup_fraction(ratio, warmup, t)))
         assert torch.equal(codec.decode(enc.payload, layout)["w"], enc.decoded["w"])
         assert codec.size_bytes(layout, enc.kept, enc.index_bytes) == len(enc.payload)
 
@@ -379,6 +390,8 @@ def test_warmup_payload_rejects_malformed_bytes_with_decode_error_only():
         ("dgc(warmup=-1)", "warmup=-1"),
         ("dgc(warmup=1.5)", "warmup=1.5"),
         ("dgc(sample=0)", "sample=0"),
+        ("dgc(start=0)", "start=0"),
+        ("dgc(start=1.5)", "start=1.5"),
         ("dgc(index='zip')", "'zip'"),
         ("dgc(scope='tensor')", "'scope'"),
         ("threshold(ratio=1.5)", "ratio=1.5"),

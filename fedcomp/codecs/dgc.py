@@ -18,7 +18,6 @@ from fedcomp.base import Segment, StageContext, register
 from fedcomp.codecs.sparsify import INDEX_CODINGS, _CodedIndices, _kept, sample_generator, sampled_topk
 
 STATE_PREFIX = "dgc.u/"  # client state key of a tensor's momentum: f"{STATE_PREFIX}{name}"
-WARMUP_BASE = 0.25  # kept fraction in warm-up round t is WARMUP_BASE ** t (75%, 93.75%... sparsity)
 
 
 def momentum_key(name: str) -> str:
@@ -26,11 +25,14 @@ def momentum_key(name: str) -> str:
     return f"{STATE_PREFIX}{name}"
 
 
-def warmup_fraction(ratio: float, warmup: int, round: int) -> float:
-    """Fraction of the elements kept in ``round`` (1 = first): 0.25 ** round, floored at ``ratio``,
-    for rounds 1..warmup; ``ratio`` after warm-up and when the round is unknown (0)."""
-    if 1 <= round <= warmup:
-        return max(ratio, WARMUP_BASE**round)
+def warmup_fraction(ratio: float, warmup: int, round: int, start: float = 0.25) -> float:
+    """Fraction of the elements kept in ``round`` (1 = first): ``start`` in round 1, falling
+    geometrically to ``ratio``, which round ``warmup + 1`` reaches (start * (ratio / start) **
+    ((round - 1) / warmup), floored at ``ratio``) for rounds 1..warmup; ``ratio`` after warm-up and
+    when the round is unknown (0). ``start`` 0.25 and 4 rounds to 0.001 is the paper's schedule:
+    75%, 93.7%, 98.4%, 99.6%, then 99.9% sparsity."""
+    if 1 <= round <= warmup and start > ratio:
+        return max(ratio, start * (ratio / start) ** ((round - 1) / warmup))
     return ratio
 
 
@@ -80,7 +82,8 @@ class DGC(_CodedIndices):
         ratio: float = 0.01  # fraction kept after warm-up, in (0, 1] (the paper's 0.001 lost 2.2 points on a CNN in 30 rounds)
         momentum: float = 0.9  # client momentum across rounds, in [0, 1); 0 = none
         clip: float = 0.0  # max L2 norm of the round update (all float tensors together); 0 = off
-        warmup: int = 0  # rounds of exponentially rising sparsity (25%, 6.25%... kept); 0 = none
+        warmup: int = 0  # rounds of exponentially rising sparsity, from `start` kept down to `ratio`; 0 = none
+        start: float = 0.25  # fraction kept in the first warm-up round, in (0, 1]
         sample: float = 0.01  # fraction of |p| sampled to set the threshold (at least 1,024 elements)
         index: str = "rice"  # index coding: "rice" (gap coded) or "fixed" (ceil(log2 n) bits each)
 
@@ -98,10 +101,19 @@ class DGC(_CodedIndices):
             self.fail("warmup", "a number of rounds >= 0")
         if not 0 < c.sample <= 1:
             self.fail("sample", "a fraction in (0, 1]")
+        if not 0 < c.start <= 1:
+            self.fail("start", "a fraction in (0, 1]")
+
+    def canonical(self) -> str:
+        # without warm-up `start` does nothing and is left out: the specs (hence fingerprints and
+        # payloads) of DGC without warm-up are the ones from before the option existed
+        text = super().canonical()
+        return text if self.config.warmup else text.replace(f",start={self.config.start!r}", "")
 
     # -- selection ------------------------------------------------------------------------------
     def select(self, x: torch.Tensor, ctx: StageContext, seg: Segment) -> torch.Tensor:
-        k = _kept(warmup_fraction(self.config.ratio, self.config.warmup, ctx.round), x.numel())
+        c = self.config
+        k = _kept(warmup_fraction(c.ratio, c.warmup, ctx.round, c.start), x.numel())
         return sampled_topk(x.abs(), k, sample_generator(ctx, seg), self.config.sample)
 
     # -- client state -----------------------------------------------------------------------------
