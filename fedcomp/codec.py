@@ -75,12 +75,21 @@ class LazyDecoded(Mapping):
                 raise KeyError(name)
             self._cache.update(self._build())
             return self._cache[name]
-        idx, vals, start = self._sparse[name]
+        idx, vals, start = self._kept(name)
         spec = self._layout.tensors[self._layout.names.index(name)]
         y = torch.zeros(spec.numel, dtype=torch.float32, device=vals.device)
         y[idx - start if start else idx] = vals
         t = self._cache[name] = y.view(spec.shape).to(spec.torch_dtype)
         return t
+
+    def _kept(self, name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(segment-global positions, values, the tensor's start) of a tensor's kept elements:
+        its slice of the segment's, cut here (when asked for) rather than at encode time."""
+        idx, vals, start, *cut = self._sparse[name]
+        if cut:
+            lo, hi = cut
+            idx, vals = idx[lo:hi], vals[lo:hi]
+        return idx, vals, start
 
     def __iter__(self):
         return iter(self._layout.names)
@@ -92,7 +101,7 @@ class LazyDecoded(Mapping):
         """``target -= decoded[name]`` in place (target: a float tensor of the tensor's shape)."""
         if self._sparse is None or name in self._cache:
             return target.sub_(self[name].to(target.device, target.dtype))
-        idx, vals, start = self._sparse[name]
+        idx, vals, start = self._kept(name)
         flat = target.view(-1)
         local = idx - start if start else idx
         flat[local] = flat[local] - vals.to(target.device, target.dtype)
@@ -234,7 +243,9 @@ class Codec:
         sparse = self._sparse_expand
         kept_values: dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None = {} if sparse else None
         kept, side_bytes = [], []
-        pieces_ok = getattr(self.reducer, "accepts_pieces", False)
+        # Pieces on the CPU (no model-sized copy); elsewhere one concatenated tensor, whose scans
+        # are a few ops and syncs in all rather than some per tensor
+        pieces_ok = getattr(self.reducer, "accepts_pieces", False) and device.type == "cpu"
         # segments wait to go to the quantizer's compiled loop together (write_run), in order
         run: list[tuple[int, torch.Tensor]] | None = \
             [] if self.reducer is None and device.type == "cpu" and runs(self.quantizer, kernels.for_encode()) else None
@@ -246,7 +257,7 @@ class Codec:
                     and not t.is_neg() and seg.numel:  # the common case, quickly (~4 us a tensor less)
                 x = t  # its own shape, into the run below: write_run reads contiguous tensors of any shape
             else:
-                parts = [values[i].detach().reshape(-1).resolve_neg() for i in group]  # views where contiguous
+                parts = [_flat_view(values[i]) for i in group]  # views where contiguous
                 # a half / float64 tensor's fp32 copy in huge pages where large (a fresh torch
                 # tensor faults page by page)
                 parts = [p if p.dtype == torch.float32 else output_like(p, torch.float32).copy_(p) for p in parts]
@@ -302,7 +313,7 @@ class Codec:
         if not picked or any(values[i].device != device for _, i in picked):
             return False
         with torch.no_grad():  # (no detach per tensor: one op each less)
-            fl = Flat([values[i].reshape(-1) for _, i in picked], device)
+            fl = Flat([_flat_view(values[i]) for _, i in picked], device)
         q.write_flat(fl, [seg.index for seg, _ in picked], out, ctx)
         return True
 
@@ -338,10 +349,12 @@ class Codec:
         for i in group:
             starts.append(offset)
             offset += layout.tensors[i].numel
-        cuts = torch.searchsorted(idx, torch.tensor(starts + [offset], device=idx.device)).tolist()
-        for j, i in enumerate(group):
-            lo, hi = cuts[j], cuts[j + 1]
-            into[layout.tensors[i].name] = (idx[lo:hi], y[lo:hi], starts[j])
+        if idx.device.type == "cpu" and not idx.requires_grad:  # numpy: no torch op
+            cuts = np.searchsorted(idx.numpy(), np.array(starts + [offset], dtype=np.int64)).tolist()
+        else:
+            cuts = torch.searchsorted(idx, torch.tensor(starts + [offset], device=idx.device)).tolist()
+        for j, i in enumerate(group):  # sliced when read (LazyDecoded._kept): no op per tensor here
+            into[layout.tensors[i].name] = (idx, y, starts[j], cuts[j], cuts[j + 1])
 
     @staticmethod
     def _split(y: torch.Tensor, group: tuple[int, ...], layout: Layout, out: list) -> None:
@@ -503,6 +516,15 @@ class Codec:
         for i, t in raw.items():
             decoded[i] = t.view(layout.tensors[i].shape).to(device)
         return {name: t for name, t in zip(layout.names, decoded)}  # type: ignore[misc]
+
+
+def _flat_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a flat tensor in the fewest torch ops (a view where contiguous: one op)."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
 
 
 def check_decodable(layout: Layout, max_numel: int = MAX_NUMEL) -> None:

@@ -81,14 +81,15 @@ def _candidates(x: torch.Tensor | Pieces, thr: float, strict: bool = False) -> t
     t = np.float32(thr)
     buf = mask = None
     k = kernels.for_encode()
-    for start, part in _flat_parts(x):
+    hosts = getattr(x, "_host", None) or [None] * len(_flat_parts(x))  # Pieces' numpy views, made once
+    for (start, part), host in zip(_flat_parts(x), hosts):
         n = part.numel()
         if k is not None and part.device.type == "cpu" and part.dtype == torch.float32 and part.is_contiguous():
             hits = kernels.scratch(min(n, _CAND_CAP), np.int64)  # one pass, blocks below t skipped
-            c = k.candidates(part.detach().reshape(-1).numpy(), t, strict, hits)
+            c = k.candidates(_host(part) if host is None else host, t, strict, hits)
             if c >= 0:
                 if c:
-                    out.append(torch.from_numpy(hits[:c] + start))
+                    out.append(hits[:c] + start)  # numpy until the end: one tensor made, not one a piece
                 continue
         if part.device.type != "cpu":
             mag = part.abs()
@@ -98,7 +99,7 @@ def _candidates(x: torch.Tensor | Pieces, thr: float, strict: bool = False) -> t
         if buf is None:
             size = min(_CHUNK, max(p.numel() for _, p in _flat_parts(x)))
             buf, mask = np.empty(size, np.float32), np.empty(size, bool)
-        xn = part.detach().numpy()
+        xn = _host(part) if host is None else host
         for lo in range(0, n, _CHUNK):
             chunk = xn[lo:lo + _CHUNK]
             b, mk = buf[:chunk.size], mask[:chunk.size]
@@ -106,10 +107,20 @@ def _candidates(x: torch.Tensor | Pieces, thr: float, strict: bool = False) -> t
             cmp(b, t, out=mk)
             hit = np.flatnonzero(mk)
             if hit.size:
-                out.append(torch.from_numpy(hit + (start + lo)))
+                out.append(hit + (start + lo))
     if not out:
         return torch.empty(0, dtype=torch.int64, device=x.device)
+    if all(isinstance(o, np.ndarray) for o in out):
+        return torch.from_numpy(np.concatenate(out) if len(out) > 1 else out[0])
+    out = [torch.from_numpy(o) if isinstance(o, np.ndarray) else o for o in out]
     return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def _host(part: torch.Tensor) -> np.ndarray:
+    """A flat CPU tensor's values as numpy (no torch op where it is flat, contiguous and detached)."""
+    if part.requires_grad or part.dim() != 1 or not part.is_contiguous():
+        part = part.detach().reshape(-1)
+    return part.numpy()
 
 
 def _first_zeros(x: torch.Tensor | Pieces, nonzero: torch.Tensor, count: int) -> torch.Tensor:
