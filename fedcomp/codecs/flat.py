@@ -42,13 +42,12 @@ class Flat:
         self.total = int(self.starts[-1])
         pads = (self.padded - self.ns).tolist()
         self.x = torch.empty(self.total, dtype=torch.float32, device=device)
-        if any(pads):  # zeros between segments: views of one zero tensor
-            zero = torch.zeros(8, dtype=torch.float32, device=device)
+        if any(pads):  # zeros between segments (kept tensors of 1-7 zeros: no op a segment)
             seq = []
             for p, pad in zip(parts, pads):
                 seq.append(p)
                 if pad:
-                    seq.append(zero[:pad])
+                    seq.append(_zeros(pad, device))
             parts = seq
         if parts:
             torch.cat(parts, out=self.x)  # fp16 / bf16 / float64 converted as .to(float32) does
@@ -229,6 +228,18 @@ class Rows:
             idx = torch.where(valid, idx, idx[:, :1])
             return x[idx], rows
         return torch.where(valid, x[idx.clamp_(max=x.numel() - 1)], torch.zeros((), device=x.device)), rows
+
+
+_ZEROS: dict = {}
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    """n fp32 zeros on ``device``, made once (never written: cat's input)."""
+    key = (n, str(device))
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = torch.zeros(n, dtype=torch.float32, device=device)
+    return z
 
 
 def _as_s32(a: np.ndarray) -> np.ndarray:
