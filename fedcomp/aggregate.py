@@ -709,11 +709,24 @@ class Accumulator:
 
     def mean(self) -> dict[str, torch.Tensor]:
         """Weighted mean of the updates added, in the layout's dtypes (integer tensors rounded);
-        :class:`AggregateOverflow` where a value does not fit its dtype."""
+        :class:`AggregateOverflow` where a value does not fit its dtype.
+
+        The sums stay (more replies may follow), so this holds them and the result at once: an fp32
+        CPU tensor's mean is divided straight into its output (numpy's ``divide(..., out=)``, whose
+        buffered loop casts a few thousand quotients at a time: the bits of ``(sum /
+        total).to(float32)``, without that expression's float64 temporary of the tensor's size,
+        which ``torch.div(..., out=)`` makes too). :meth:`apply_mean` frees each sum as its tensor is
+        done."""
         self._need()
         out = {}
         for t in self.layout.tensors:
-            if t.is_float:
+            if t.is_float and t.torch_dtype == torch.float32 and self.device.type == "cpu":
+                mean = torch.empty(t.shape, dtype=t.torch_dtype)
+                with np.errstate(over="ignore", invalid="ignore"):  # inf is refused below
+                    np.divide(self._sums[t.name].numpy(), self.total_weight, out=mean.view(-1).numpy(),
+                              casting="same_kind")
+                out[t.name] = mean
+            elif t.is_float:
                 out[t.name] = (self._sums[t.name] / self.total_weight).view(t.shape).to(t.torch_dtype)
             else:
                 out[t.name] = torch.round(self._ints[t.name] / self.total_weight).to(t.torch_dtype)

@@ -378,18 +378,25 @@ class CountSketch(Reducer):
         return torch.from_numpy(pos), y
 
     def _cell_counts(self, k_, n: int, k0, k1, cols: int, spans) -> np.ndarray:
-        """Elements per cell of a one-row sketch of n (int64, cached for the last n: a property of the
+        """Elements per cell of a one-row sketch of n (int32, cached for the last n: a property of the
         hashes, the same every round)."""
         key = ("counts", n)
         if key not in self._hashes:
-            per = [np.zeros(cols, dtype=np.int64) for _ in spans]
+            per = [np.zeros(cols, dtype=np.int32) for _ in spans]  # n < 2**31
             kernels.run_parallel((lambda a=a, b=b, c=c: k_.cell_counts(k0, k1, cols, a, b, c))
                                  for (a, b), c in zip(spans, per))
-            self._hashes.pop(key, None)
             for old in [x for x in self._hashes if x[0] == "counts"]:
                 del self._hashes[old]  # one layout at a time
-            self._hashes[key] = np.sum(per, axis=0) if len(per) > 1 else per[0]
+            for more in per[1:]:
+                per[0] += more
+            self._hashes[key] = per[0]
         return self._hashes[key]
+
+    @property
+    def cache_nbytes(self) -> int:
+        """Bytes this reducer keeps between calls: format-1 hash tables or generator states aside,
+        the element count per cell of a one-row sketch (:meth:`top_dense`; 4 bytes a cell)."""
+        return sum(v.nbytes for key, v in self._hashes.items() if key[0] == "counts")
 
     def _top_one_row(self, k_, tab: np.ndarray, k0, k1, cols: int, n: int, k: int, spans):
         """:meth:`top_dense` for one row, where an element's estimate is its cell's value (signed):
