@@ -275,7 +275,9 @@ class Codec:
                     side_bytes.append(0)
                     continue
                 self._write_run(run, out, ctx, device)
-            gen = ctx.generator(seg.index, device)
+            # a CPU generator on every device: its stream keys are the ones the CPU draws (a CUDA
+            # generator's Philox stream gives others: other roundings, other bytes on a GPU)
+            gen = ctx.generator(seg.index, "cpu")
             if self.reducer is None:
                 write_values(self.quantizer, x, out, gen)
                 kept.append(seg.numel)
@@ -313,7 +315,7 @@ class Codec:
         if not picked or any(values[i].device != device for _, i in picked):
             return False
         with torch.no_grad():  # (no detach per tensor: one op each less)
-            fl = Flat([_flat_view(values[i]) for _, i in picked], device)
+            fl = Flat([_flat_view(values[i]) for _, i in picked], device, getattr(q, "flat_align", 8))
         q.write_flat(fl, [seg.index for seg, _ in picked], out, ctx)
         return True
 

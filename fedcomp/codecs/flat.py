@@ -33,10 +33,10 @@ class Flat:
     """Float segments (element counts ``ns``, in payload order) as one padded fp32 buffer ``x``
     on ``device``; ``starts[s]``: segment s's first element in it (a multiple of 8)."""
 
-    def __init__(self, parts: list[torch.Tensor], device: torch.device) -> None:
+    def __init__(self, parts: list[torch.Tensor], device: torch.device, align: int = 8) -> None:
         self.device = device
         self.ns = np.fromiter((p.numel() for p in parts), dtype=np.int64, count=len(parts))
-        self.padded = -(-self.ns // 8) * 8
+        self.padded = -(-self.ns // align) * align  # (align 1: the values back to back, raw codecs)
         self.starts = np.zeros(len(parts) + 1, dtype=np.int64)
         np.cumsum(self.padded, out=self.starts[1:])
         self.total = int(self.starts[-1])
@@ -51,7 +51,7 @@ class Flat:
             parts = seq
         if parts:
             torch.cat(parts, out=self.x)  # fp16 / bf16 / float64 converted as .to(float32) does
-        self._geo = _geometry(tuple(self.ns.tolist()))
+        self._geo = _geometry(tuple(self.ns.tolist()), align)
 
     def seg_lengths(self) -> torch.Tensor:
         """Padded length of each segment (int64, on the device): ``repeat_interleave``'s repeats."""
@@ -248,10 +248,10 @@ def _as_s32(a: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def _geometry(ns: tuple[int, ...]) -> dict:
+def _geometry(ns: tuple[int, ...], align: int) -> dict:
     """What depends on the segments' sizes alone (filled in as asked for: rows, assembly)."""
     n = np.array(ns, dtype=np.int64)
-    return {"padded": -(-n // 8) * 8}
+    return {"padded": -(-n // align) * align}
 
 
 _DEVICE_COPIES: dict = {}

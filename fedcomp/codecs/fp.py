@@ -48,6 +48,15 @@ class Identity(_RawRuns, Quantizer):
             return 0
         return int(k.raw_run_crc(ptrs, ns, offs, region, fn, np.uint32(crc)))
 
+    flat_align = 1  # the values back to back: the flat buffer is the body
+
+    def flat(self) -> bool:
+        return True
+
+    def write_flat(self, fl, segs: list[int], out: Writer, ctx) -> None:
+        """Every segment at once (:class:`fedcomp.codecs.flat.Flat`, unpadded): the buffer is the body."""
+        out.tensor(fl.x)
+
     def decode(self, src: Reader, count: int, device: torch.device) -> torch.Tensor:
         return src.tensor(count, torch.float32, output=True).to(device)
 
@@ -79,6 +88,19 @@ class _HalfFloat(_RawRuns, Quantizer):
         y = x.clamp(-_FP16_MAX, _FP16_MAX).to(self.dtype) if self.dtype == torch.float16 else x.to(self.dtype)
         out.tensor(y)
         return y.float()
+
+    flat_align = 1  # the values back to back: the flat buffer, converted, is the body
+
+    def flat(self) -> bool:
+        return True
+
+    def write_flat(self, fl, segs: list[int], out: Writer, ctx) -> None:
+        """Every segment at once (:class:`fedcomp.codecs.flat.Flat`, unpadded): :meth:`write`'s
+        clamp and conversion over the whole buffer."""
+        y = out.empty(fl.total, self.dtype, fl.device)
+        x = fl.x.clamp_(-_FP16_MAX, _FP16_MAX) if self.dtype == torch.float16 else fl.x
+        y.copy_(x)
+        out.tensor(y)
 
     @property
     def _raw_kind(self) -> int:  # type: ignore[override]

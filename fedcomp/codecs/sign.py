@@ -355,6 +355,19 @@ class TwoBit(_TernaryRuns, Quantizer):
             _pack_into(c, 2, packed[lo // 4:lo // 4 + packed_bytes(xc.numel(), 2)])
         out.tensor(packed)
 
+    def flat(self) -> bool:
+        return True
+
+    def write_flat(self, fl, segs: list[int], out: Writer, ctx) -> None:
+        """Every segment of the flat buffer ``fl`` (:class:`fedcomp.codecs.flat.Flat`) at once:
+        :meth:`write`'s codes (padding: 0, as packing pads)."""
+        t = self.config.threshold
+        x = fl.x
+        p = torch.ge(x, t)
+        c = torch.le(x, -t).logical_or_(p).view(torch.uint8)
+        c = c.bitwise_left_shift(1).bitwise_or_(p.view(torch.uint8))
+        fl.assemble(out, None, np.zeros(fl.ns.shape[0], dtype=np.int64), fl.pack(c, 2), 2)
+
     def _values(self, codes: torch.Tensor) -> torch.Tensor:
         t = self.config.threshold
         return torch.where(codes == 3, t, torch.where(codes == 2, -t, 0.0)).float()
