@@ -707,29 +707,36 @@ class Accumulator:
         return {t.name: (self._sums[t.name] if t.is_float else self._ints[t.name]).view(t.shape).clone()
                 for t in self.layout.tensors}
 
-    def mean(self) -> dict[str, torch.Tensor]:
+    def mean(self, *, release: bool = False) -> dict[str, torch.Tensor]:
         """Weighted mean of the updates added, in the layout's dtypes (integer tensors rounded);
         :class:`AggregateOverflow` where a value does not fit its dtype.
 
-        The sums stay (more replies may follow), so this holds them and the result at once: an fp32
-        CPU tensor's mean is divided straight into its output (numpy's ``divide(..., out=)``, whose
-        buffered loop casts a few thousand quotients at a time: the bits of ``(sum /
-        total).to(float32)``, without that expression's float64 temporary of the tensor's size,
-        which ``torch.div(..., out=)`` makes too). :meth:`apply_mean` frees each sum as its tensor is
-        done."""
+        The sums stay (more replies may follow), so this holds them and the result at once: three
+        dense copies for fp32 tensors (float64 sums, fp32 result). An fp32 CPU tensor's mean is
+        divided straight into its output (numpy's ``divide(..., out=)``, whose buffered loop casts a
+        few thousand quotients at a time: the bits of ``(sum / total).to(float32)``, without that
+        expression's float64 temporary of the tensor's size, which ``torch.div(..., out=)`` makes
+        too). ``release=True``: the round ends here, as with :meth:`apply_mean`: tensor by tensor,
+        smallest first, each sum is freed once its mean is formed (the peak is the sums plus the
+        smallest results); call :meth:`reset` before the next round."""
         self._need()
+        sums, ints, total = self._sums, self._ints, self.total_weight
+        if release:
+            self._sums, self._ints, self._spent = None, {}, True
         out = {}
-        for t in self.layout.tensors:
+        for t in (sorted(self.layout.tensors, key=lambda t: t.numel) if release else self.layout.tensors):
             if t.is_float and t.torch_dtype == torch.float32 and self.device.type == "cpu":
                 mean = torch.empty(t.shape, dtype=t.torch_dtype)
                 with np.errstate(over="ignore", invalid="ignore"):  # inf is refused below
-                    np.divide(self._sums[t.name].numpy(), self.total_weight, out=mean.view(-1).numpy(),
-                              casting="same_kind")
+                    np.divide(sums[t.name].numpy(), total, out=mean.view(-1).numpy(), casting="same_kind")
                 out[t.name] = mean
             elif t.is_float:
-                out[t.name] = (self._sums[t.name] / self.total_weight).view(t.shape).to(t.torch_dtype)
+                out[t.name] = (sums[t.name] / total).view(t.shape).to(t.torch_dtype)
             else:
-                out[t.name] = torch.round(self._ints[t.name] / self.total_weight).to(t.torch_dtype)
+                out[t.name] = torch.round(ints[t.name] / total).to(t.torch_dtype)
+            if release:
+                (sums if t.is_float else ints).pop(t.name)
+        out = {name: out[name] for name in self.layout.names}
         self._check_finite(out)
         return out
 

@@ -6,7 +6,7 @@ For each codec the parent encodes N *distinct* client updates of a synthetic mod
 small decode + add of the same codec), then measures a round the way a server runs it: per reply
 ``Accumulator.decode`` -> ``Update.norm`` -> ``Accumulator.add_update``, then
 ``Accumulator.apply_mean(reference)`` (what ``CompressedStrategy`` runs; ``--finish mean``: ``mean()``,
-the float64 sums kept). Reported, in dense fp32 model copies:
+the float64 sums kept; ``release``: ``mean(release=True)``). Reported, in dense fp32 model copies:
 
 * ``rss``: peak resident memory during the round (``VmHWM`` after resetting it through
   ``/proc/self/clear_refs``) minus the resident memory before it (payloads, reference and
@@ -85,7 +85,8 @@ def child(path: str, spec: str, params: int, threads: int, finish: str = "apply_
         u.norm()
         acc.add_update(u, float(1 + i % 3))
         del u
-    out = acc.apply_mean(reference) if finish == "apply_mean" else acc.mean()
+    out = (acc.apply_mean(reference) if finish == "apply_mean" else acc.mean(release=True) if finish == "release"
+           else acc.mean())
     elapsed = time.perf_counter() - t0
     traced = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
@@ -150,8 +151,9 @@ def main(argv=None) -> None:
     ap.add_argument("--params", type=int, default=10_000_000)
     ap.add_argument("--malloc", nargs="+", choices=sorted(MALLOC), default=["default", "bench"])
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--finish", nargs="+", choices=["apply_mean", "mean"], default=["apply_mean", "mean"],
-                    help="how the round ends: apply_mean(reference) (what CompressedStrategy runs) or mean()")
+    ap.add_argument("--finish", nargs="+", choices=["apply_mean", "mean", "release"], default=["apply_mean", "mean"],
+                    help="how the round ends: apply_mean(reference) (what CompressedStrategy runs), mean() (the sums "
+                         "kept), or mean(release=True)")
     ap.add_argument("--cache", help="keep the encoded payloads in this folder (reused by later runs)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--child", help=argparse.SUPPRESS)

@@ -213,3 +213,29 @@ def test_server_feedback_rounds_same_with_and_without_compiled_loops(spec, monke
         assert list(sa) == list(sb) == list(layout.names)
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert all(torch.equal(x, y) for x, y in zip(ea + va, eb + vb))
+
+
+def test_accumulator_mean_release_same_bits_and_ends_the_round():
+    import fedcomp
+    from fedcomp.aggregate import Accumulator
+
+    g = torch.Generator().manual_seed(2)
+    model = {"w": torch.zeros(300, 70), "b": torch.zeros(70), "h": torch.zeros(9, dtype=torch.float16),
+             "n": torch.zeros(1, dtype=torch.int64)}
+    layout = fedcomp.Layout.of(model)
+    codec = fedcomp.build_codec("kbit(bits=4)")
+    payloads = [codec.encode({k: (torch.randn(v.shape, generator=g) * 3).to(v.dtype) if v.is_floating_point()
+                              else v + i for k, v in model.items()}, nonce=i + 1).payload for i in range(4)]
+    accs = [Accumulator(codec, layout) for _ in range(2)]
+    for acc in accs:
+        for i, p in enumerate(payloads):
+            acc.add(p, 1.0 + i)
+    kept, released = accs[0].mean(), accs[1].mean(release=True)
+    assert list(kept) == list(released) == list(layout.names)
+    for name in layout.names:
+        ref = (accs[0].sum()[name] / accs[0].total_weight)
+        ref = ref.to(kept[name].dtype) if kept[name].is_floating_point() else torch.round(ref).to(kept[name].dtype)
+        assert torch.equal(kept[name], ref) and torch.equal(released[name], ref)
+    assert torch.equal(accs[0].mean()["w"], kept["w"])  # the sums stay
+    with pytest.raises(Exception, match="reset"):
+        accs[1].mean()
