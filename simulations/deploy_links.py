@@ -106,6 +106,14 @@ def estimator_errors(results: dict, node_index: dict[int, int], links: list[Link
                         "upload_bytes": e.get("upload_bytes"), "download_bytes": e.get("download_bytes"),
                         "est_up_latency_s": e.get("est_up_latency_s"), "est_down_latency_s": e.get("est_down_latency_s"),
                         "budget": e.get("budget"), "compute_s": e.get("compute_s")})
+    for e in out:  # what the shaped link alone would take: bytes at its rate plus its latency
+        link = links[e["node"]]
+        if e["upload_bytes"] and e["observed_up_s"] is not None:
+            e["shaped_up_s"] = e["upload_bytes"] * 8 / (link.uplink_kbps * 1000) + link.latency_ms / 1000
+            e["excess_up_s"] = e["observed_up_s"] - e["shaped_up_s"]
+        if e["download_bytes"] and e["observed_down_s"] is not None:
+            e["shaped_down_s"] = e["download_bytes"] * 8 / (link.downlink_kbps * 1000) + link.latency_ms / 1000
+            e["excess_down_s"] = e["observed_down_s"] - e["shaped_down_s"]
     return out
 
 
@@ -158,6 +166,18 @@ def write_estimates(errors: list[dict], links: list[Link], from_round: int = 5) 
         ok_down = sum(abs(e["down_error"]) <= 0.15 for e in late)
         lines.append(f"\nFrom round {from_round}: uplink estimates within 15% of the shaped rate in {ok_up}/{len(late)} "
                      f"node-rounds, downlink in {ok_down}/{len(late)}.")
+    lines.append("\nWhat the server observed against what the shaped link alone takes (bytes at the rate + latency), "
+                 "per direction, over all node-rounds:\n")
+    lines.append("| direction | bytes (median) | observed s (median) | shaped link s (median) | excess s (min / median / max) |")
+    lines.append("|---|---:|---:|---:|---:|")
+    for d, key in (("down", "download_bytes"), ("up", "upload_bytes")):
+        rows = [e for e in errors if f"excess_{d}_s" in e]
+        if not rows:
+            continue
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        ex = [e[f"excess_{d}_s"] for e in rows]
+        lines.append(f"| {d} | {med([e[key] for e in rows]):,} | {med([e[f'observed_{d}_s'] for e in rows]):.2f} | "
+                     f"{med([e[f'shaped_{d}_s'] for e in rows]):.2f} | {min(ex):.2f} / {med(ex):.2f} / {max(ex):.2f} |")
     return "\n".join(lines)
 
 
@@ -171,7 +191,7 @@ def plot(study: dict, path: Path, margin: float) -> None:
     for name, run in study["runs"].items():
         rows = run["series"]
         if rows:
-            ax.plot([0] + [r["wall_s"] for r in rows], [0] + [r["accuracy"] * 100 for r in rows], marker="o",
+            ax.plot([r["wall_s"] for r in rows], [r["accuracy"] * 100 for r in rows], marker="o",
                     markersize=3, label=f"{name} ({rows[-1]['upload_bytes'] / 1e6:.1f} MB up)")
     dense = study["runs"].get("dense", {}).get("series")
     if dense:
@@ -212,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("outputs/shaped-links"),
                         help="logs and results.json files (default: outputs/shaped-links, ignored by git and the FAB)")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs OUT/study.json holds (finished, rc 0) and run only the others")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no runs: rewrite table.md and the plot from OUT/study.json (and the measured run's "
+                             "results.json under --work)")
     args = parser.parse_args(argv)
     plan = []
     for item in args.rounds.split(","):
@@ -221,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         plan.append((name, int(n)))
     links = node_links(args.links, args.supernodes)
     out = args.out.resolve()
+    if args.report_only:
+        return _report(json.loads((out / "study.json").read_text()), out, links, args.margin, args.work.resolve())
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -232,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
                    "commit": _commit(), "argv": sys.argv, "supernodes": args.supernodes, "links_name": args.links,
                    "links": [link.describe() for link in links], "model": args.model, "deadline_s": args.deadline,
                    "margin": args.margin, "runs": {}, "load_before": os.getloadavg()}
+    if args.resume and (out / "study.json").is_file():
+        old = json.loads((out / "study.json").read_text())
+        kept = {k: v for k, v in old["runs"].items() if v.get("returncode") == 0 and v.get("series")}
+        study["runs"] = kept
+        study["resumed"] = {"kept": sorted(kept), "kept_from": {k: old.get(k) for k in ("date", "commit", "argv")}}
+        plan = [(name, n) for name, n in plan if name not in kept]
+        print(f"resuming: kept {sorted(kept)} from {old.get('date')}; running {[name for name, _ in plan]}", flush=True)
     t0 = time.monotonic()
     with deploy.deployment(work / "deploy", args.supernodes, links=links, shaping=args.shaping,
                            supernode_env=env) as dep:
@@ -260,13 +294,31 @@ def main(argv: list[str] | None = None) -> int:
             if not run.ok:
                 print(f"run failed (rc {run.returncode}):\n{run.log[-3000:]}", flush=True)
             (out / "study.json").write_text(json.dumps(study, indent=1, default=str))
-    text = write_table(study, args.margin)
-    est = study["runs"].get("measured", {}).get("estimates")
-    if est is not None:
-        text += "\n\nMeasured-link estimates against the shaped rates:\n\n" + write_estimates(est, links)
+    study["node_ids"] = {str(k): v for k, v in nodes.items()}
+    return _report(study, out, links, args.margin, work)
+
+
+def _report(study: dict, out: Path, links: list[Link], margin: float, work: Path) -> int:
+    text = write_table(study, margin)
+    measured = study["runs"].get("measured")
+    if measured is not None and measured.get("returncode") == 0:
+        results = work / "measured" / "results.json"
+        if "node_ids" not in study:  # from the SuperNodes' logs ("SuperNode ID: ...")
+            found = {}
+            for i in range(len(links)):
+                log = work / "deploy" / "logs" / f"supernode-{i}.log"
+                m = deploy._NODE_ID.search(log.read_text(errors="replace")) if log.is_file() else None
+                if m:
+                    found[m.group(1)] = i
+            if found:
+                study["node_ids"] = found
+        if "node_ids" in study and results.is_file():  # recomputed: the analysis may be newer than the run
+            nodes = {int(k): v for k, v in study["node_ids"].items()}
+            measured["estimates"] = estimator_errors(json.loads(results.read_text()), nodes, links)
+        text += "\n\nMeasured-link estimates against the shaped rates:\n\n" + write_estimates(measured["estimates"], links)
     (out / "table.md").write_text(text + "\n")
     (out / "study.json").write_text(json.dumps(study, indent=1, default=str))
-    plot(study, out / "time_to_accuracy.png", args.margin)
+    plot(study, out / "time_to_accuracy.png", margin)
     print("\n" + text)
     print(f"\nwritten: {out / 'table.md'}, {out / 'time_to_accuracy.png'}, {out / 'study.json'}")
     return 0 if all(r["returncode"] == 0 for r in study["runs"].values()) else 1
