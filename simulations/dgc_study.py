@@ -17,7 +17,7 @@ defaults are not mistaken for another's::
 
     python -m fedcomp.simulations.dgc_study --seeds 0,1,2 --rounds 60 --clients 10 'dgc()' \
         'dgc(ratio=0.001)' 'dgc(ratio=0.001)+qsgd(bits=4)'
-    python -m fedcomp.simulations.dgc_study --seeds 0,1,2 --table 'dgc()'      # print only
+    python -m fedcomp.simulations.dgc_study --seeds 0,1,2 --table --speed 'dgc()'      # print only
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ def run_one(spec: str, seed: int, a) -> dict:
 
 
 def load(path: Path) -> dict[tuple, dict]:
-    """The runs in ``path`` by key. A run's spec is keyed by its resolved spec as it ran (``upload``)
-    read again with today's code: a parameter added since then takes its default, which must (and
-    for DGC's ``start`` without warm-up does) reproduce what the run did."""
+    """The runs in ``path`` by key. A run's spec is keyed by its canonical form as it ran (every
+    argument spelled out then) read again with today's code: a parameter added since then takes
+    its default, which must (and for DGC's ``start`` without warm-up does) reproduce what the run
+    did, and a default changed since then does not move the run."""
     if not path.exists():
         return {}
     from fedcomp import SpecError
@@ -80,7 +81,7 @@ def load(path: Path) -> dict[tuple, dict]:
             continue
         r = json.loads(line)
         try:
-            r["canonical"] = canonical(r["upload"])
+            r["canonical"] = canonical(r["canonical"])
         except SpecError:  # a parameter that no longer exists: not comparable
             continue
         out[_row_key(r)] = r
@@ -118,10 +119,40 @@ def table(specs: list[str], seeds: list[int], a, runs: dict[tuple, dict]) -> str
         tail = statistics.mean(_tail(r) for r, _ in pairs)
         ratio = statistics.mean(sum(d["upload_bytes"]) / max(1, sum(r["upload_bytes"])) for r, d in pairs)
         finite = all(r["finite"] and "error" not in r and len(r["accuracy"]) == a.rounds for r, _ in pairs)
-        shown = spec if spec == DENSE or pairs[0][0]["upload"] == spec else f"{spec}` = `{pairs[0][0]['upload']}"
-        lines.append(f"| `{shown}` | {','.join(str(r['seed']) for r, _ in pairs)} | {final:.2f} | "
+        lines.append(f"| `{spec}` | {','.join(str(r['seed']) for r, _ in pairs)} | {final:.2f} | "
                      f"{_spread([_final(r) - _final(d) for r, d in pairs])} | {tail:.2f} | "
                      f"{_spread([_tail(r) - _tail(d) for r, d in pairs])} | {ratio:.1f} | {'yes' if finite else 'NO'} |")
+    return "\n".join(lines)
+
+
+def _reached(r: dict, level: float) -> int | None:
+    """The first round whose accuracy is at least ``level`` (None: never)."""
+    return next((i + 1 for i, acc in enumerate(r["accuracy"]) if acc >= level), None)
+
+
+def speed(specs: list[str], seeds: list[int], a, runs: dict[tuple, dict], levels=(0.8, 0.9, 0.95)) -> str:
+    """Markdown table of how fast each spec gets there (means over the seeds run): accuracy of the
+    first 10 rounds and of the 5 rounds up to mid-run, and per accuracy level the first round at or
+    above it and the upload bytes sent until then (all clients; "never" when a seed did not reach it)."""
+    mid = a.rounds // 2
+    head = " | ".join(f"{100 * lv:g}%: round, upload kB" for lv in levels)
+    lines = [f"| upload spec | seeds | accuracy % rounds 1-10 | accuracy % rounds {mid - TAIL + 1}-{mid} | {head} |",
+             "|---|---|---|---|" + "---|" * len(levels)]
+    for spec in [DENSE] + [s for s in specs if s != DENSE]:
+        mine = [runs[_key(spec, s, a)] for s in seeds if _key(spec, s, a) in runs]
+        if not mine:
+            continue
+        early = statistics.mean(100 * statistics.mean(r["accuracy"][:10]) for r in mine)
+        middle = statistics.mean(100 * statistics.mean(r["accuracy"][mid - TAIL:mid]) for r in mine)
+        cells = []
+        for lv in levels:
+            at = [_reached(r, lv) for r in mine]
+            if any(t is None for t in at):
+                cells.append(f"never in {sum(t is None for t in at)} of {len(at)}")
+                continue
+            kb = statistics.mean(sum(r["upload_bytes"][:t]) / 1e3 for r, t in zip(mine, at))
+            cells.append(f"{statistics.mean(at):.1f}, {kb:,.0f}")
+        lines.append(f"| `{spec}` | {len(mine)} | {early:.1f} | {middle:.1f} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -137,6 +168,7 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=0.3)
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--table", action="store_true", help="print the table from --out, run nothing")
+    parser.add_argument("--speed", action="store_true", help="also print rounds and bytes to 80/90/95%% accuracy")
     a = parser.parse_args(argv)
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     specs = list(dict.fromkeys(a.specs))
@@ -156,7 +188,11 @@ def main(argv=None) -> None:
                     f.write(json.dumps(r) + "\n")
                 print(f"seed {seed} {spec:45s} final {_final(r):.2f}% last5 {_tail(r):.2f}% "
                       f"upload {sum(r['upload_bytes']):,} B {r['seconds']:.0f} s", flush=True)
-    print(table(specs, seeds, a, load(a.out)))
+    runs = load(a.out)
+    print(table(specs, seeds, a, runs))
+    if a.speed:
+        print()
+        print(speed(specs, seeds, a, runs))
 
 
 if __name__ == "__main__":

@@ -302,6 +302,28 @@ def test_dgc_warmup_counts_on_a_large_segment_and_decoding_needs_no_round():
         assert codec.size_bytes(layout, enc.kept, enc.index_bytes) == len(enc.payload)
 
 
+def test_start_is_in_the_canonical_spec_only_with_a_warmup():
+    """Without warm-up ``start`` does nothing: the spec, fingerprint and payloads are those from
+    before the option existed; with one it is spelled out and round-trips."""
+    old = "dgc(ratio=0.01,momentum=0.9,clip=0.0,warmup=0,sample=0.01,index='rice')"
+    assert build_codec("dgc(ratio=0.01, momentum=0.9, start=0.5)").spec == old
+    assert build_codec(old).fingerprint == zlib.crc32(old.encode())
+    warm = build_codec("dgc(warmup=8, start=0.01)").spec
+    assert "warmup=8,start=0.01," in warm and build_codec(warm).spec == warm
+    x = {"w": torch.randn(5000, generator=gen(13))}
+    assert build_codec("dgc(start=0.5)").encode(x, nonce=2, round=1).payload == build_codec("dgc()").encode(
+        x, nonce=2, round=1).payload
+
+
+def test_defaults_and_the_cross_device_defaults():
+    """``dgc()``: the paper's 99.9% sparsity with momentum 0.7 and no warm-up; for clients that
+    take part now and then the spec that regime was measured with (a tenth, momentum 0.9)."""
+    import fedcomp
+
+    assert build_codec("dgc()").spec == "dgc(ratio=0.001,momentum=0.7,clip=0.0,warmup=0,sample=0.01,index='rice')"
+    assert fedcomp.cross_device_spec("dgc()") == "dgc(ratio=0.1,momentum=0.9,clip=0.0,warmup=0,sample=0.01,index='rice')"
+
+
 def _updates(rounds: int, seed: int = 0):
     base = {"fc.weight": torch.randn(40, 30, generator=gen(seed)) * 0.05, "fc.bias": torch.randn(30, generator=gen(seed + 1)) * 0.01}
     g = gen(seed + 2)
