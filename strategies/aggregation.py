@@ -32,6 +32,7 @@ from fedcomp.codec import derive_nonce
 from fedcomp.server_feedback import BroadcastFailed, ServerFeedback
 from fedcomp.strategies.part import Outgoing, Part, RoundState
 from fedcomp.strategies.replies import ReplyHistory, RoundReplies
+from fedcomp.strategies.robust_sketch import RobustFeedback, robust_in_sketch_space
 from fedcomp.strategies.stats import RoundStats
 from fedcomp.strategies.streaming import can_stream
 from fedcomp.tensor_kinds import COUNTER, STATISTIC, exact_state_policy, split_kinds
@@ -54,8 +55,13 @@ class Aggregation(Part):
     def on_layout(self, layout: fedcomp.Layout) -> None:
         self.accumulator = None
         self.exact_statistics(layout)
-        if self.host.aggregation == "sketch":  # server-side error feedback: tables per segment of this layout
-            self.feedback = ServerFeedback(self.host.upload, layout, self.host.config.server_momentum)
+        host = self.host
+        if host.aggregation == "sketch":  # server-side error feedback: tables per segment of this layout
+            if robust_in_sketch_space(host.inner):  # the robust aggregate of the clients' tables
+                self.feedback = RobustFeedback(host.upload, layout, host.config.momentum, host.inner,
+                                               self.weight_key())
+            else:
+                self.feedback = ServerFeedback(host.upload, layout, host.config.momentum)
 
     def exact_statistics(self, layout: fedcomp.Layout) -> None:
         """Send the model's running statistics (BatchNorm's ``running_mean``/``running_var``) exact:
@@ -109,6 +115,8 @@ class Aggregation(Part):
         else:
             self.accumulator.reset()
         guard = checks.round_guard(server_round)
+        if isinstance(self.feedback, RobustFeedback):
+            self.feedback.server_round = server_round
         return RoundReplies(
             round=server_round, mode=mode, layout=host.layout, base=host.base, accumulator=self.accumulator,
             feedback=self.feedback, guard=guard,

@@ -30,12 +30,19 @@ statistics (BatchNorm) in cross-device get the dense ``qsgd(bits=4)`` while ``ex
 on: it beat both the client-residual top-k and the sketch scheme with exact statistics there
 (an explicit ``upload='sketch(...)'`` still gets the statistics exact beside the sketch).
 
-Strategies that compare or re-weight each client's update on its own (FedMedian, FedTrimmedAvg,
-Krum, MultiKrum, Bulyan, QFedAvg) or normalize the mean per coordinate (FedAdam, FedAdagrad, FedYogi)
-(``sparse_averse``) get the dense ``qsgd(bits=4)`` upload in every regime: sparse updates (each
-client's own 1% of coordinates) leave coordinate-wise medians and trimmed means at zero, make
-distances between clients meaningless, and give a per-coordinate optimizer a few large coordinates;
-FetchSGD would replace their aggregation altogether.
+Robust strategies whose aggregate is translation equivariant (FedMedian, FedTrimmedAvg, Krum,
+MultiKrum, Bulyan: ``robust_sketch``) aggregate in sketch space in every regime
+(:mod:`fedcomp.strategies.robust_sketch`): upload ``sketch(rows=1, cols=ceil(0.068 n),
+ratio=0.05)+qsgd(bits=4)``, the strategy's own aggregate over the clients' tables, FetchSGD's
+server step with momentum 0.9 (``server_momentum="auto"``), coupled download
+``topk(ratio=0.05)+kbit(bits=4,stochastic=true)``. Sparse updates would defeat them (each
+client's own 1% of coordinates leaves coordinate-wise medians at zero and makes distances between
+clients meaningless); aligned sketch tables do not.
+
+The other strategies that compare or re-weight each client's update (QFedAvg) or normalize the
+mean per coordinate (FedAdam, FedAdagrad, FedYogi) (``sparse_averse``) get the dense
+``qsgd(bits=4)`` upload in every regime: a per-coordinate optimizer given a few large coordinates
+misbehaves, and FetchSGD would replace their server step altogether.
 """
 
 from __future__ import annotations
@@ -56,13 +63,16 @@ SILO_DOWNLOAD = "none()"
 DENSE_UPLOAD = "qsgd(bits=4)"  # sparse-averse strategies, cross-device BatchNorm models: dense, unbiased (module docstring)
 SKETCH_COLS_PER_PARAM = 0.068  # cross-device sketch columns per float parameter (16000 for 234k)
 SKETCH_RATIO = 0.02  # heavy hitters applied per round; the coupled download sends the same share (docstring)
+ROBUST_SKETCH_RATIO = 0.05  # robust strategies in sketch space: the heavy hitters' share (docs: Results, Robust)
+ROBUST_SERVER_MOMENTUM = 0.9  # their server momentum in sketch space ('auto'; docs: Results, Robust)
 PLACEHOLDER_PARAMS = 234_122  # before the model is known (the project's MLP): only cols depend on it
 
 
-def cross_device_upload(numel: int) -> str:
-    """The cross-device upload for a model of ``numel`` float parameters."""
+def cross_device_upload(numel: int, ratio: float = SKETCH_RATIO) -> str:
+    """The cross-device upload for a model of ``numel`` float parameters (``ratio``: the heavy
+    hitters' share; :data:`ROBUST_SKETCH_RATIO` for robust strategies in sketch space)."""
     cols = max(16, math.ceil(SKETCH_COLS_PER_PARAM * numel))
-    return f"sketch(rows=1,cols={cols},ratio={SKETCH_RATIO})+qsgd(bits=4)"
+    return f"sketch(rows=1,cols={cols},ratio={ratio})+qsgd(bits=4)"
 
 
 def coupled_download(ratio: float = SKETCH_RATIO) -> str:
@@ -93,7 +103,8 @@ class CompressionConfig:
     error_feedback: bool = True  # clients keep what compression dropped and send it later
     seed: int = 0  # run seed: with round and node it seeds random-k and stochastic rounding
     aggregation: str = "auto"  # 'auto' (sketch for linear codecs, else decode), 'decode' or 'sketch' (FetchSGD)
-    server_momentum: float = 0.0  # FetchSGD's rho (aggregation 'sketch')
+    server_momentum: float | str = AUTO  # FetchSGD's rho (aggregation 'sketch'); 'auto': 0.9 for robust
+    # strategies in sketch space with the auto upload, else 0 (module docstring)
     delta: float = 0.0  # delta coding of uploads against the client's previous update (0: off)
     max_update_norm: float = 0.0  # absolute bound on an update's L2 norm (0: off)
     norm_factor: float = 10.0  # drop updates longer than this x the round's median norm (0: off)
@@ -136,7 +147,8 @@ class CompressionConfig:
                 f"'sketch(rows=1, cols=16000, ratio=0.01)+qsgd(bits=4)', got {self.upload!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise fedcomp.SpecError(f"seed={self.seed!r} is invalid: an integer")
-        _number("server_momentum", self.server_momentum, 0, 1, allowed="it must be in [0, 1)")
+        if self.server_momentum != AUTO:
+            _number("server_momentum", self.server_momentum, 0, 1, allowed="'auto' or a float in [0, 1)")
         _number("delta", self.delta, 0, 1.0000001, allowed="delta must be in [0, 1] (0 turns delta coding off)")
         if self.delta > 1:
             raise fedcomp.SpecError(f"delta={self.delta!r} is invalid: delta must be in [0, 1] (0 turns delta coding off)")
@@ -190,7 +202,7 @@ class CompressionConfig:
                 and fedcomp.cross_device_spec(self.upload) != self.upload)
 
     def resolve(self, *, partial: bool, numel: int | None = None, sparse_averse: bool = False,
-                statistics: bool = False) -> "CompressionConfig":
+                statistics: bool = False, robust_sketch: bool = False) -> "CompressionConfig":
         """This config with ``"auto"`` specs replaced for the regime (module docstring).
 
         ``partial``: not every connected node is sampled each round (cross-device); ``numel``:
@@ -198,19 +210,25 @@ class CompressionConfig:
         model is known); ``sparse_averse``: the inner strategy compares or re-weights each client's
         update or normalizes it per coordinate (robust aggregators, QFedAvg, FedAdam...);
         ``statistics``: the model has running statistics (BatchNorm) that must travel exact
-        (``exact_statistics``): cross-device gets dense ``qsgd(bits=4)`` (module docstring).
+        (``exact_statistics``): cross-device gets dense ``qsgd(bits=4)`` (module docstring);
+        ``robust_sketch``: the inner strategy's aggregate can run over the clients' sketch tables
+        (:func:`fedcomp.strategies.robust_sketch.robust_in_sketch_space`).
         An explicit upload spec in cross-device takes its codec's cross-device defaults where it
         writes none of them (:func:`fedcomp.cross_device_spec`: ``topk()`` keeps a tenth);
         otherwise a config without ``"auto"`` comes back as is.
         """
         cross_device = partial and self.regime_dependent
         if not self.auto and not cross_device:
-            return self
+            return self if self.server_momentum != AUTO else dataclasses.replace(self, server_momentum=0.0)
         budgets = self.link_profile != links.NONE or self.round_deadline_s or self.delta
         statistics_exact = statistics and self.exact_statistics and self.aggregation == AUTO
         sketchable = ((self.aggregation == "sketch" or (partial and self.aggregation == AUTO))
                       and not budgets and not statistics_exact)
-        if self.upload == AUTO and sparse_averse and self.aggregation != "sketch":
+        robust = (self.upload == AUTO and robust_sketch and self.aggregation in (AUTO, "sketch")
+                  and not budgets and not statistics_exact)
+        if robust:  # the strategy's own aggregate over aligned sketch tables, in every regime
+            upload = cross_device_upload(numel or PLACEHOLDER_PARAMS, ROBUST_SKETCH_RATIO)
+        elif self.upload == AUTO and sparse_averse and self.aggregation != "sketch":
             upload = DENSE_UPLOAD
         elif self.upload == AUTO and partial and statistics_exact and not budgets:
             upload = DENSE_UPLOAD  # cross-device BatchNorm model: dense qsgd (module docstring)
@@ -227,7 +245,16 @@ class CompressionConfig:
             download = coupled_download(ratio) if coupled else SILO_DOWNLOAD
         else:
             download = self.download
-        return dataclasses.replace(self, upload=upload, download=download, coupled_download=coupled)
+        momentum = self.server_momentum
+        if momentum == AUTO:
+            momentum = ROBUST_SERVER_MOMENTUM if robust else 0.0
+        return dataclasses.replace(self, upload=upload, download=download, coupled_download=coupled,
+                                   server_momentum=momentum)
+
+    @property
+    def momentum(self) -> float:
+        """FetchSGD's rho: ``server_momentum``, or 0 while it is ``'auto'`` and not resolved."""
+        return 0.0 if self.server_momentum == AUTO else float(self.server_momentum)
 
     @property
     def resolved_aggregation(self) -> str:

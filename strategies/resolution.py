@@ -9,6 +9,7 @@ from flwr.app import ArrayRecord
 from flwr.common import log
 
 from fedcomp.strategies.config import AUTO, DENSE_UPLOAD
+from fedcomp.strategies.robust_sketch import robust_in_sketch_space
 from fedcomp.tensor_kinds import STATISTIC, split_kinds
 
 
@@ -27,7 +28,7 @@ def resolve(host: CompressedStrategy, sampled: int, connected: int, arrays: Arra
     partial = sampled < connected
     statistics = bool(split_kinds(state)[STATISTIC])
     host._use(host.requested.resolve(partial=partial, numel=numel, sparse_averse=host.sparse_averse,
-                                     statistics=statistics))
+                                     statistics=statistics, robust_sketch=robust_in_sketch_space(host.inner)))
     if host.requested.auto:
         warn_biased(host)
     log(INFO, "fedcomp: %s (%d of %d nodes per round, %d parameters): upload %s, download %s, aggregation %s",
@@ -41,6 +42,8 @@ def warn_sparse_averse(host: CompressedStrategy) -> None:
         return
     reducer = getattr(host.upload, "reducer", None)
     if host.aggregation == "sketch":
+        if robust_in_sketch_space(host.inner):  # its own aggregate, over the clients' tables
+            return
         log(WARNING, "fedcomp: %s has its own aggregation, but aggregation='sketch' "
             "(FetchSGD) replaces its aggregation with a sum of sketches; use upload='%s' (or 'auto') to keep it",
             type(host.inner).__name__, DENSE_UPLOAD)

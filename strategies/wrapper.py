@@ -42,6 +42,7 @@ from fedcomp.strategies.part import Outgoing, Part, Reply, RoundState
 from fedcomp.strategies.replies import MissingCompressionMod, NonFiniteModel, NoUsableReplies
 from fedcomp.strategies.report import Report
 from fedcomp.strategies.stats import RoundStats
+from fedcomp.strategies.robust_sketch import robust_in_sketch_space
 from fedcomp.strategies.streaming import StreamingGrid, can_stream, sparse_averse
 from fedcomp.tensor_kinds import exact_state_policy
 
@@ -135,8 +136,10 @@ class CompressedStrategy(Strategy):
         statistics (``exact_statistics``) travel exact beside the sketch and are averaged,
         integer buffers advance by the clients' rounded mean increment. Does not combine with
         budgets (clients' sketches would differ in ``cols``).
-    server_momentum : float (default: 0.0)
-        FetchSGD's momentum rho in sketch space (``aggregation="sketch"`` only).
+    server_momentum : float or "auto" (default: ``"auto"``)
+        FetchSGD's momentum rho in sketch space (``aggregation="sketch"`` only). ``"auto"``: 0.9
+        for robust strategies aggregated in sketch space with the auto upload
+        (:mod:`fedcomp.strategies.robust_sketch`), 0 otherwise.
     delta : float (default: 0.0)
         Delta coding of uploads: a client encodes ``update - delta * previous`` where
         ``previous`` is the update the server reconstructed from that client's last reply, and
@@ -220,7 +223,7 @@ class CompressedStrategy(Strategy):
         self.sparse_averse = sparse_averse(inner)
         self._upload_set = False  # set_upload was called (AdaptiveStrategy): no regime resolution of the upload
         self._use(config.resolve(partial=float(getattr(inner, "fraction_train", 1.0)) < 1,
-                                 sparse_averse=self.sparse_averse))
+                                 sparse_averse=self.sparse_averse, robust_sketch=robust_in_sketch_space(inner)))
         if not config.auto:
             resolution.warn_biased(self)
         resolution.warn_sparse_averse(self)

@@ -1,6 +1,6 @@
-"""Strategies that aggregate each client's update on its own (robust aggregators, QFedAvg) or
-normalize per coordinate (FedAdam, FedAdagrad, FedYogi) get a dense upload by default and a warning
-for one that defeats them (``strategies/config.py``)."""
+"""Robust aggregators (FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan) aggregate in sketch space by
+default; QFedAvg and the per-coordinate optimizers (FedAdam, FedAdagrad, FedYogi) get a dense upload;
+an upload that defeats them is warned about (``strategies/config.py``)."""
 
 from __future__ import annotations
 
@@ -8,22 +8,49 @@ import logging
 
 import pytest
 import torch
+
+import fedcomp
 from flwr.serverapp import strategy as fs
 
 from conftest import node_context, run_round, tiny_model
-from fedcomp.strategies.config import DENSE_UPLOAD, SILO_UPLOAD
+from fedcomp.strategies.config import (DENSE_UPLOAD, ROBUST_SERVER_MOMENTUM, ROBUST_SKETCH_RATIO, SILO_UPLOAD,
+                                       CompressionConfig)
+from fedcomp.strategies.robust_sketch import RobustFeedback
 from fedcomp.strategies.wrapper import CompressedStrategy
 
-SPARSE_AVERSE = [fs.FedMedian, fs.FedTrimmedAvg, fs.Krum, fs.MultiKrum, fs.Bulyan,
-              lambda **kw: fs.QFedAvg(client_learning_rate=0.1, **kw), fs.FedAdam, fs.FedAdagrad, fs.FedYogi]
+ROBUST = [fs.FedMedian, fs.FedTrimmedAvg, fs.Krum, fs.MultiKrum, fs.Bulyan]
+DENSE_AVERSE = [lambda **kw: fs.QFedAvg(client_learning_rate=0.1, **kw), fs.FedAdam, fs.FedAdagrad, fs.FedYogi]
 
 
-@pytest.mark.parametrize("make", SPARSE_AVERSE)
+@pytest.mark.parametrize("make", DENSE_AVERSE)
 @pytest.mark.parametrize("fraction", [1.0, 0.1])
-def test_auto_upload_is_dense_for_per_client_strategies(make, fraction):
+def test_auto_upload_is_dense_for_per_coordinate_and_loss_weighted_strategies(make, fraction):
     strategy = CompressedStrategy(make(fraction_train=fraction))
     assert strategy.sparse_averse
     assert strategy.config.upload == DENSE_UPLOAD and strategy.aggregation == "decode"
+    assert strategy.config.momentum == 0.0
+
+
+@pytest.mark.parametrize("make", ROBUST)
+@pytest.mark.parametrize("fraction", [1.0, 0.1])
+def test_robust_strategies_aggregate_in_sketch_space_in_every_regime(make, fraction):
+    strategy = CompressedStrategy(make(fraction_train=fraction))
+    assert strategy.sparse_averse and strategy.aggregation == "sketch"
+    assert strategy.config.upload.startswith("sketch(") and f"ratio={ROBUST_SKETCH_RATIO}" in strategy.config.upload
+    assert strategy.config.coupled_download and f"ratio={ROBUST_SKETCH_RATIO}" in strategy.config.download
+    assert strategy.config.momentum == ROBUST_SERVER_MOMENTUM
+    strategy._aggregate.on_layout(fedcomp.Layout.of(tiny_model()))
+    assert isinstance(strategy._aggregate.feedback, RobustFeedback)
+
+
+def test_an_explicit_server_momentum_or_upload_is_kept_for_robust_strategies():
+    assert CompressedStrategy(fs.FedMedian(), server_momentum=0.0).config.momentum == 0.0
+    explicit = CompressedStrategy(fs.FedMedian(), upload=DENSE_UPLOAD)
+    assert explicit.config.upload == DENSE_UPLOAD and explicit.aggregation == "decode"
+    assert explicit.config.momentum == 0.0
+    # link budgets need per-client decoding: robust strategies go back to the dense upload
+    budgets = CompressionConfig(link_profile="4g").resolve(partial=True, sparse_averse=True, robust_sketch=True)
+    assert budgets.upload == DENSE_UPLOAD and budgets.momentum == 0.0
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.1])
@@ -42,18 +69,20 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-@pytest.mark.parametrize("upload, words", [("topk(ratio=0.01)+qsgd(bits=4)", "sparse uploads"),
-                                           ("sketch(rows=1,cols=100)", "replaces its aggregation"),
-                                           ("kbit(bits=4)", None), (DENSE_UPLOAD, None)])
-def test_a_defeating_upload_is_warned_at_construction(upload, words):
+@pytest.mark.parametrize("make, upload, words", [
+    (fs.FedMedian, "topk(ratio=0.01)+qsgd(bits=4)", "sparse uploads"),
+    (fs.FedMedian, "sketch(rows=1,cols=100)", None),  # its aggregate over the tables
+    (fs.FedAdam, "sketch(rows=1,cols=100)", "replaces its aggregation"),
+    (fs.FedMedian, "kbit(bits=4)", None), (fs.FedMedian, DENSE_UPLOAD, None)])
+def test_a_defeating_upload_is_warned_at_construction(make, upload, words):
     handler = _Records()
     logger = logging.getLogger("flwr")
     logger.addHandler(handler)
     try:
-        CompressedStrategy(fs.FedMedian(), upload=upload)
+        CompressedStrategy(make(), upload=upload)
     finally:
         logger.removeHandler(handler)
-    warned = [m for m in handler.messages if "FedMedian" in m]
+    warned = [m for m in handler.messages if make.__name__ in m]
     assert (words is None) == (not warned), handler.messages
     if words:
         assert words in warned[0] and DENSE_UPLOAD in warned[0]
@@ -63,12 +92,12 @@ def test_median_of_sparse_updates_stays_put_and_dense_updates_move():
     """The mechanism behind the default: three clients' top-1% updates rarely share a coordinate,
     so FedMedian's per-coordinate median is 0 almost everywhere; with the dense default it moves."""
     moved = {}
-    for upload in ("topk(ratio=0.01)+qsgd(bits=4)", "auto"):
+    for upload in ("topk(ratio=0.01)+qsgd(bits=4)", DENSE_UPLOAD):
         strategy = CompressedStrategy(fs.FedMedian(min_available_nodes=3, min_train_nodes=3), upload=upload)
         model = tiny_model()
         contexts = {n: node_context(n) for n in (1, 2, 3)}
         new, _, _ = run_round(strategy, model, contexts, 1)
         moved[upload] = int((new["w"] != model["w"]).sum())
     assert moved["topk(ratio=0.01)+qsgd(bits=4)"] <= 0.01 * tiny_model()["w"].numel()
-    assert moved["auto"] >= 0.5 * tiny_model()["w"].numel()  # qsgd rounds some small values to 0
+    assert moved[DENSE_UPLOAD] >= 0.5 * tiny_model()["w"].numel()  # qsgd rounds some small values to 0
     assert torch.isfinite(new["w"]).all()
