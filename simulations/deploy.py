@@ -78,6 +78,7 @@ __all__ = [
     "stop_process",
     "wait_for_nodes",
     "SHAPINGS",
+    "sigterm_raises",
     "main",
 ]
 
@@ -638,6 +639,16 @@ def deployment(
             signal.signal(signal.SIGINT, previous_sigint)
 
 
+def sigterm_raises() -> None:
+    """Make SIGTERM raise KeyboardInterrupt in the main thread, so ``finally`` tears a deployment
+    down (processes, relays, namespaces) when the CLI is terminated too, not only on Ctrl-C."""
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise)
+
+
 def _sigint_raises():
     """Make SIGINT raise KeyboardInterrupt (so ``finally`` tears everything down) where a caller
     had set it to be ignored or to a C handler; returns the previous handler (None off the main thread)."""
@@ -985,6 +996,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="with --links: also give each SuperNode its link as node config (declared-link budgets)")
     args = parser.parse_args(argv)
     links = node_links(args.links, args.supernodes) if args.links else None
+    sigterm_raises()
     if args.auth:
         args.tls = True
     if args.intruder and not args.auth:

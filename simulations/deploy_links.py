@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -117,6 +116,9 @@ def estimator_errors(results: dict, node_index: dict[int, int], links: list[Link
     return out
 
 
+LEVELS = (0.5, 0.6, 0.7)  # fixed accuracies, timed besides the target
+
+
 def write_table(study: dict, margin: float) -> str:
     runs = study["runs"]
     dense = runs.get("dense")
@@ -128,8 +130,9 @@ def write_table(study: dict, margin: float) -> str:
     base = time_to(dense["series"], target)
     lines.append(f"Target: the dense run's final accuracy {final:.2%} minus {margin * 100:g} point(s) = {target:.2%}.\n")
     lines.append("| run | rounds | final acc | wall s (run) | time to target | rounds to target | speed-up vs dense | "
-                 "upload MB (results.json) | relay up MB | relay down MB | mean round s |")
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                 "upload MB (results.json) | relay up MB | relay down MB | mean round s | "
+                 + " | ".join(f"time to {v:.0%}" for v in LEVELS) + " |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(LEVELS))
     for name, run in runs.items():
         rows = run["series"]
         if not rows:
@@ -143,7 +146,9 @@ def write_table(study: dict, margin: float) -> str:
             f"| {name} | {len(rows)} | {last['accuracy']:.2%} | {run['seconds']:.0f} | "
             f"{'%.0f s' % hit['wall_s'] if hit else 'not reached'} | {hit['round'] if hit else '-'} | {speed} | "
             f"{last['upload_bytes'] / 1e6:.2f} | {last['relay_c2s'] / 1e6:.2f} | {last['relay_s2c'] / 1e6:.2f} | "
-            f"{mean_round:.1f} |")
+            f"{mean_round:.1f} | "
+            + " | ".join((f"{h['wall_s']:.0f} s (r{h['round']})" if (h := time_to(rows, v)) else "-") for v in LEVELS)
+            + " |")
     return "\n".join(lines)
 
 
@@ -252,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     table = write_link_table(links, out / "links.csv")
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # finally tears down
+    deploy.sigterm_raises()  # the deployment's finally tears everything down
 
     env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)} if args.threads else None
     study: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
