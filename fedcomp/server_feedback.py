@@ -239,7 +239,7 @@ class ServerFeedback:
             self._error = [torch.zeros(s.numel()) for s in self._sum[:-1]]
         # a round without uploads still applies what the error and momentum hold
         if self._sum is not None and self.weight > 0:
-            sums = [s / self.weight for s in self._sum]
+            sums = [s.div_(self.weight) for s in self._sum]  # in place: the round's sums end here
         else:
             sums = [torch.zeros(e.numel(), dtype=torch.float64) for e in self._error]
             sums.append(torch.zeros(sum(t.numel for t in self._exact), dtype=torch.float64))
