@@ -29,6 +29,10 @@ from fedcomp.wire import OVERHEAD_BYTES, Reader, Writer, arena, header, open_pay
 
 _MASK64 = (1 << 64) - 1
 DECODE_CHUNK = 1 << 20  # elements per step of a run decode (aggregate.CHUNK's)
+# elements of one flat encode buffer (Codec._write_flat): 16 MB of fp32 on the CPU, where a
+# model-sized set of temporaries costs page faults and memory; a GPU takes larger ones
+FLAT_CHUNK = 1 << 22
+FLAT_CHUNK_DEVICE = 1 << 26
 
 
 def derive_nonce(*parts: int) -> int:
@@ -251,6 +255,8 @@ class Codec:
             [] if self.reducer is None and device.type == "cpu" and runs(self.quantizer, kernels.for_encode()) else None
         if run is None and self.reducer is None and self._write_flat(values, segments, out, ctx, device):
             kept, side_bytes, segments = [seg.numel for seg, _ in segments], [0] * len(segments), []
+        elif self.reducer is not None and (done := self._reduce_flat(values, segments, out, ctx, device)) is not None:
+            kept, side_bytes, segments = done, [0] * len(segments), []
         for seg, group in segments:
             t = values[group[0]] if run is not None and len(group) == 1 else None
             if t is not None and t.dtype == torch.float32 and t.is_cpu and not t.requires_grad and t.is_contiguous() \
@@ -314,10 +320,27 @@ class Codec:
         picked = [(seg, group[0]) for seg, group in segments if seg.numel]
         if not picked or any(values[i].device != device for _, i in picked):
             return False
-        with torch.no_grad():  # (no detach per tensor: one op each less)
-            fl = Flat([_flat_view(values[i]) for _, i in picked], device, getattr(q, "flat_align", 8))
-        q.write_flat(fl, [seg.index for seg, _ in picked], out, ctx)
+        _flat_write(q, [(seg.index, _flat_view(values[i])) for seg, i in picked], out, ctx, device)
         return True
+
+    def _reduce_flat(self, values: list[torch.Tensor], segments, out: Writer, ctx: StageContext,
+                     device: torch.device) -> list[int] | None:
+        """A reducer that writes no side information (``values_only``: PowerSGD) and a quantizer
+        with a flat encode: every segment reduced (``reduce_many``: same-shape matrices batched
+        off the CPU), then all their values quantized as one flat buffer; the values counted per
+        segment. None: nothing was written (the per-segment loop takes it)."""
+        r, q = self.reducer, self.quantizer
+        if not (getattr(r, "values_only", False) and hasattr(q, "write_flat") and q.flat()):
+            return None
+        if any(values[g[0]].device != device for _, g in segments):
+            return None
+        xs = []
+        for _, group in segments:
+            x = _flat_view(values[group[0]])
+            xs.append(x if x.dtype == torch.float32 else x.to(torch.float32))
+        vals = r.reduce_many(xs, [seg for seg, _ in segments], ctx)
+        _flat_write(q, [(seg.index, v) for (seg, _), v in zip(segments, vals) if v.numel()], out, ctx, device)
+        return [v.numel() for v in vals]
 
     def _write_run(self, run: list[tuple[int, torch.Tensor]], out: Writer, ctx: StageContext,
                    device: torch.device) -> None:
@@ -518,6 +541,38 @@ class Codec:
         for i, t in raw.items():
             decoded[i] = t.view(layout.tensors[i].shape).to(device)
         return {name: t for name, t in zip(layout.names, decoded)}  # type: ignore[misc]
+
+
+def _flat_write(q: Quantizer, items: list[tuple[int, torch.Tensor]], out: Writer, ctx: StageContext,
+                device: torch.device) -> None:
+    """Write segments ``items`` ((segment index, flat values), in payload order, none empty) with
+    the quantizer's flat encode, in buffers of at most FLAT_CHUNK elements: the ops grow with the
+    update's size over the chunk, not with its tensors. A segment larger than a chunk is written
+    on its own (the quantizer steps through it in chunk-sized temporaries, as before)."""
+    limit = FLAT_CHUNK if device.type == "cpu" else FLAT_CHUNK_DEVICE
+    align = getattr(q, "flat_align", 8)
+    group: list[tuple[int, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> None:
+        if group:
+            q.write_flat(Flat([x for _, x in group], device, align), [j for j, _ in group], out, ctx)
+            group.clear()
+            out.flush()  # on CUDA: these bytes go to the host while the next buffer encodes
+
+    for j, x in items:
+        n = x.numel()
+        if n > limit:
+            flush()
+            size = 0
+            write_values(q, x if x.dtype == torch.float32 else x.to(torch.float32), out, ctx.generator(j, "cpu"))
+            continue
+        if size + n > limit:
+            flush()
+            size = 0
+        group.append((j, x))
+        size += n
+    flush()
 
 
 def _flat_view(t: torch.Tensor) -> torch.Tensor:

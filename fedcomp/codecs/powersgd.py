@@ -33,6 +33,7 @@ from fedcomp.wire import Reader, Writer, output_empty
 
 _NO32 = np.empty(0, dtype=np.float32)  # the kernel's unused output (adding) or sum (building)
 _NO64 = np.empty(0, dtype=np.float64)
+_BATCHED = {"cuda"}  # device types whose encode steps same-shape matrices together (reduce_many)
 STATE_PREFIX = "powersgd.q/"  # client-state key of a tensor's warm-start Q: STATE_PREFIX + name
 
 
@@ -206,6 +207,50 @@ class PowerSGD(Reducer):
             ctx.state[key] = q_new
         p_send, q_send = balance(p_hat, q_new)
         return torch.cat([p_send.reshape(-1), q_send.reshape(-1)]), None, 0
+
+    values_only = True  # no side information: a codec's encode may reduce every segment first (reduce_many)
+
+    def reduce_many(self, xs: list[torch.Tensor], segs: list[Segment], ctx: StageContext) -> list[torch.Tensor]:
+        """:meth:`reduce`'s values of every segment (flat fp32 ``xs``). On the CPU one by one (the
+        bytes every CPU writes); elsewhere (``_BATCHED`` devices) the matrices of one (n, m, r)
+        are stacked and stepped together (batched products and QR: a few ops a shape instead of
+        dozens a tensor, the warm starts' finiteness checked in one sync a shape). A GPU's factors
+        differ from a CPU's in their last bits either way (cuBLAS; see the docs' Explanations:
+        same bytes on every device)."""
+        if not xs or xs[0].device.type not in _BATCHED:
+            return [self.reduce(x, seg, None, ctx)[0] for x, seg in zip(xs, segs)]  # type: ignore[arg-type]
+        out: list[torch.Tensor | None] = [None] * len(xs)
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, seg in enumerate(segs):
+            f = self.factors(seg)
+            if f is None:
+                out[i] = xs[i]
+            else:
+                groups.setdefault(f, []).append(i)
+        for (n, m, r), ids in groups.items():
+            device = xs[ids[0]].device
+            mats = torch.stack([xs[i].view(n, m) for i in ids])
+            keys = [state_key(segs[i].names[0]) for i in ids]
+            qs = [ctx.state.get(k) if ctx.state is not None else None for k in keys]
+            qs = [q if q is not None and tuple(q.shape) == (m, r) else None for q in qs]
+            warm = [j for j, q in enumerate(qs) if q is not None]
+            if warm:  # one check for the group's warm starts
+                w = torch.stack([qs[j].to(device, torch.float32) for j in warm])
+                ok = torch.isfinite(w).flatten(1).all(dim=1).tolist()
+                for a, (j, good) in enumerate(zip(warm, ok)):
+                    qs[j] = w[a] if good else None
+            q = torch.stack([qs[j] if qs[j] is not None else cold_start(m, r, self.config.seed, segs[i].names[0], device)
+                             for j, i in enumerate(ids)])
+            p_hat = torch.linalg.qr(torch.bmm(mats, q), mode="reduced").Q
+            q_new = torch.bmm(p_hat.transpose(1, 2), mats).transpose(1, 2)
+            norms = torch.linalg.vector_norm(q_new, dim=1, keepdim=True)
+            c = torch.where(norms > 0, (norms * math.sqrt(n / m)).sqrt(), torch.ones_like(norms))
+            vals = torch.cat([(p_hat * c).reshape(len(ids), -1), (q_new / c).reshape(len(ids), -1)], dim=1)
+            for j, i in enumerate(ids):
+                if ctx.state is not None:
+                    ctx.state[keys[j]] = q_new[j]
+                out[i] = vals[j]
+        return out  # type: ignore[return-value]
 
     def read(self, src: Reader, seg: Segment, ctx: StageContext, device: torch.device) -> Any:
         return None
