@@ -94,6 +94,25 @@ def test_flat_encode_writes_the_compiled_loops_bytes(spec):
         assert payloads[0] == payloads[1], f"{spec}: draw {i}: the flat encode wrote other bytes"
 
 
+@pytest.mark.parametrize("spec", ["kbit(bits=3,stochastic=True)", "qsgd(bucket=100)", "sign(block=0)", "terngrad()",
+                                  "fp16()", "twobit()", "powersgd()+kbit()"])
+def test_flat_buffers_of_a_chunk_write_the_same_bytes(monkeypatch, spec):
+    """Flat buffers cut at FLAT_CHUNK elements (a segment larger than one written on its own):
+    the bytes of one buffer and of the compiled loops."""
+    from fedcomp import codec as codec_module
+
+    monkeypatch.setattr(codec_module, "FLAT_CHUNK", 3000)
+    codec = fedcomp.build_codec(spec)
+    rng = random.Random(f"chunk:{spec}")
+    for i in range(8):
+        update = random_update(rng)
+        payloads = []
+        for mode in ("1", "0"):
+            with kernels_mode(mode):
+                payloads.append(codec.encode(update, nonce=i, round=1, state={}).payload)
+        assert payloads[0] == payloads[1], f"{spec}: draw {i}"
+
+
 def test_nan_and_signed_zeros_keep_the_per_segment_bytes():
     """Blocks whose min/max is a zero (its sign) or NaN (its bits) are taken again by torch's
     reduction over the padded block, as the per-segment path does."""
