@@ -23,7 +23,9 @@ encode's own time is not known before the fit: the budget reserves the longest o
 recent encodes (x1.5). A node that declares no link budgets from the link the server measured for
 it, when the broadcast carries one (:data:`fedcomp.links.ESTIMATE`, sent by
 :class:`fedcomp.strategies.measured.MeasuredLinkStrategy`); its reply then also reports the wall time
-at which the broadcast reached it (``received-at``), from which the server times both transfers. Without
+at which the broadcast reached it (``received-at``) and, on Linux, when its process started
+(``process-started-at``: in a deployment, the download's end before the ClientApp's start-up), from
+which the server times both transfers. Without
 a link (profile 'none', no link keys, no estimate) nothing of this happens.
 
 Messages without a fedcomp record (evaluation, or a strategy that is not wrapped) pass through;
@@ -39,6 +41,7 @@ strategy records it as that client's failure.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from logging import WARNING
 from time import perf_counter, time
@@ -68,6 +71,26 @@ UNWRAPPED_WARNING = (
     "strategy = CompressedStrategy(FedAvg(...), upload='topk(ratio=0.01)+qsgd(bits=4)') (this warning is "
     "logged once per node)"
 )
+
+
+def process_started_at() -> float | None:
+    """When this process started, in Unix seconds: ``/proc/self/stat``'s start time (clock ticks
+    since boot) against ``/proc/uptime``; None where /proc is not there (not Linux) or unreadable.
+
+    Reported next to ``received-at`` (:data:`fedcomp.links.STARTED_AT`): a deployment's SuperNode
+    starts the ClientApp's process only once it holds the whole message, so the process start marks
+    the download's end, and the process's start-up and imports (seconds on a loaded node) stay out
+    of the measured download. Resolution: one clock tick (10 ms)."""
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        # the command name (field 2) may hold spaces: count fields after its closing parenthesis
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime
+        return time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class ModError(fedcomp.FedcompError):
@@ -295,7 +318,7 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
             record.update({P.LINK: link.describe(), P.BUDGET: -1, P.DOWNLOAD_SEEN: download_seen,
                            P.COMPUTE_S: float(perf_counter() - start)})
             if estimated:
-                record[links.RECEIVED_AT] = float(received_at)
+                record.update(_arrival(received_at))
         return Message(RecordDict({P.UPLOAD_RECORD: ConfigRecord(record)}), reply_to=msg)
     state.reference, state.reference_info = received, info
     # the first reply after a full reference (or a chain from the seeded round-0 model) says what
@@ -352,7 +375,7 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
     record = {P.ARRAYS_KEY: array_keys[0], P.DELTA_REF: ref, P.TIER: info[0], P.REF_VERSION: info[1],
               P.REF_CRC: info[2], P.WANT_TIER: want, **capabilities}
     if estimated:
-        record[links.RECEIVED_AT] = float(received_at)
+        record.update(_arrival(received_at))
     if link is not None:
         reply.content = _budgeted_reply(
             state, cfg, upload.spec, link, delta, residual, codec_state, rest, record, nonce=nonce,
@@ -367,6 +390,12 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
     rest[P.UPLOAD_RECORD] = ConfigRecord({P.PAYLOAD: encoded.payload, **record, **_tagged(cfg, encoded.payload)})
     reply.content = rest
     return reply
+
+
+def _arrival(received_at: float) -> dict:
+    """The reply's record of when the broadcast arrived: ``received-at`` and, on Linux, the process start."""
+    started = process_started_at()
+    return {links.RECEIVED_AT: float(received_at), **({} if started is None else {links.STARTED_AT: started})}
 
 
 class _encoding:

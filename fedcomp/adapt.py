@@ -435,7 +435,8 @@ class MeasuredBudgets:
     a latency fit, its uploads grow by slow start (as TCP's): the first is ``first`` bytes, each
     next at most ``growth`` times the largest seen so far; sizes that differ let the estimator tell
     latency from bandwidth (before that, latency counts as 0 and the bandwidth estimate is a lower
-    bound: budgets err short, never past the deadline).
+    bound: budgets err short, never past the deadline). A node whose estimate leaves no time for
+    an upload at all keeps probing (a budget of 0 would never spread the sizes a fit needs).
 
     ``history`` holds per node and round: the estimate (kbps, latency), the budget, and -- where the
     caller passes the budget a declared link would give -- its relative error.
@@ -472,7 +473,16 @@ class MeasuredBudgets:
         u = self.estimator.uncertainty(node, direction)
         return 1 + self.z * (self.prior if u is None else u)
 
-    def link(self, node: int):
+    def _left(self, node: int, download_bytes: int, compute_s: float) -> float:
+        """Seconds the deadline leaves for the upload's transfer on the estimate (margins applied)."""
+        up = self.estimator.estimate(node, "up")
+        down = self.estimator.estimate(node, "down")
+        down_s = 0.0
+        if down is not None:
+            down_s = (download_bytes * 8 / (down[0] * 1000) + down[1]) * self._slack(node, "down")
+        return self.deadline_s - down_s - compute_s - up[1] * self._slack(node, "up")
+
+    def link(self, node: int, *, download_bytes: int | None = None, compute_s: float = 0.0):
         """The link to send ``node`` for its next upload (:data:`fedcomp.links.ESTIMATE`): the
         estimate with the margins of :meth:`budget` folded in, so that the client's own
         :func:`fedcomp.links.upload_budget` (with the compute it measures) gives what
@@ -480,7 +490,13 @@ class MeasuredBudgets:
         slack; until the upload latency is fitted a byte cap (slow start). First contact (nothing
         measured): :data:`FAST_KBPS` both ways, no latency, a cap of ``first`` bytes: a small probe
         whatever the link. A :class:`fedcomp.links.Link` has one latency for both directions (the
-        upload's here); an unfitted download latency sits in its lower-bound bandwidth instead."""
+        upload's here); an unfitted download latency sits in its lower-bound bandwidth instead.
+
+        ``download_bytes``/``compute_s`` (the coming broadcast, the node's last compute): in slow
+        start, when the estimate leaves the upload no time (download and compute alone reach the
+        deadline), the link goes without a deadline, so the cap alone budgets: the probe goes on
+        (the node is late on this estimate whatever it sends; a budget of 0 would keep the upload
+        sizes equal, and its latency, hence its bandwidth, would never be fitted)."""
         from fedcomp.links import Link
 
         est = self.estimator
@@ -499,30 +515,27 @@ class MeasuredBudgets:
             seen = est._seen[(node, "down")]
             down = (sum(b for b, _ in seen) * 8 / sum(max(s - up[1], s / 2) for _, s in seen) / 1000, up[1])
         downlink = FAST_KBPS if down is None else _sig(down[0] / self._slack(node, "down"), up=False)
+        deadline = self.deadline_s
+        if cap is not None and download_bytes is not None and self._left(node, download_bytes, compute_s) <= 0:
+            deadline = None  # slow start past the deadline: keep probing (see above)
         return Link(_sig(up[0] / s_up, up=False), downlink, _sig(up[1] * s_up * 1000, up=True), byte_cap=cap,
-                    deadline_s=self.deadline_s)
+                    deadline_s=deadline)
 
     def budget(self, node: int, round: int, *, download_bytes: int, compute_s: float,
                declared: int | None = None) -> int:
         """Bytes ``node`` may upload in round ``round`` (recorded in ``history``)."""
         up = self.estimator.estimate(node, "up")
-        down = self.estimator.estimate(node, "down")
         entry = {"node": int(node), "round": int(round), "up_kbps": None, "up_latency_s": None}
         if up is None:
             budget = self.first
         else:
             kbps, latency = up
-            def slack(direction: str) -> float:
-                u = self.estimator.uncertainty(node, direction)
-                return 1 + self.z * (self.prior if u is None else u)
-
-            down_s = 0.0
-            if down is not None:
-                down_s = (download_bytes * 8 / (down[0] * 1000) + down[1]) * slack("down")
-            left = self.deadline_s - down_s - compute_s - latency * slack("up")
-            budget = max(1, math.floor(left / slack("up") * kbps * 1000 / 8))
+            left = self._left(node, download_bytes, compute_s)
+            budget = max(1, math.floor(left / self._slack(node, "up") * kbps * 1000 / 8))
             if (node, "up") not in self.estimator._latency:  # no latency fit yet: grow to get one
-                budget = min(budget, math.floor(self.growth * self._largest.get(node, self.first)))
+                cap = math.floor(self.growth * self._largest.get(node, self.first))
+                # past the deadline on this estimate: probe anyway (see link())
+                budget = cap if left <= 0 else min(budget, cap)
             entry.update(up_kbps=kbps, up_latency_s=latency)
         entry["budget"] = budget
         if declared is not None:

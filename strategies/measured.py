@@ -15,12 +15,16 @@ kbps, latency: :class:`fedcomp.adapt.LinkEstimator`), and each round:
    counted in the round's download bytes.
 2. When the reply arrives, the transfer times go to the estimator:
 
-   * deployment (wall clocks): download = the client's ``received-at`` (its mod's clock when the
-     broadcast reached it) - the server's push time; upload = the arrival at the ServerApp - the
-     client's ``received-at`` - its measured compute (decode, training, encode). Both include
-     Flower's own delays (SuperNode polling, ClientApp start), which is what a deadline sees;
-     clocks are assumed synchronised (NTP: milliseconds), a skew moves time from one direction
-     to the other.
+   * deployment (wall clocks): download = the end of the download - the server's push time,
+     where the end is the client's ``process-started-at`` (when the SuperNode started the
+     ClientApp's process, which it does once it holds the whole message) if that lies after the
+     push and before ``received-at``, else ``received-at`` (its mod's clock when the broadcast
+     reached it; simulation, or no /proc); upload = the arrival at the ServerApp - the client's
+     ``received-at`` - its measured compute (decode, training, encode). So the ClientApp's start-up
+     and imports count in neither direction; Flower's polls (the SuperNode's of the SuperLink, the
+     SuperExec's of the SuperNode, the ServerApp's replies) still count, as a deadline sees them.
+     Clocks are assumed synchronised (NTP: milliseconds), a skew moves time from one direction to
+     the other.
    * simulation: a simulated network (``fedcomp.simulations.netsim``) adds the hidden link's
      transfer times to the reply (:data:`fedcomp.links.NETSIM_RECORD`); this observer takes them
      out before the wrapped strategy counts or decodes the reply, and records the true times,
@@ -34,6 +38,7 @@ in simulation, the declared-link budget on the same compute and the relative err
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -115,6 +120,7 @@ class MeasuredLinkStrategy(Strategy):
         self.budgets = MeasuredBudgets(float(deadline_s), z=z, first=first, growth=growth, prior=prior)
         self.estimates: list[dict] = []
         self._sent: dict[str, tuple[int, _Sent]] = {}  # message id -> (node, what was sent)
+        self._compute: dict[int, float] = {}  # node -> its last reported compute seconds
 
     # -- delegated --------------------------------------------------------------------------------
     def __getattr__(self, name):  # rounds, history, strength_of, auto, upload... of the wrapped strategy
@@ -165,8 +171,8 @@ class MeasuredLinkStrategy(Strategy):
             return None
         node = msg.metadata.dst_node_id
         server_round = int(record[P.ROUND])
-        link = self.budgets.link(node)
         before = message_bytes(msg.content)
+        link = self.budgets.link(node, download_bytes=before, compute_s=self._compute.get(node, 0.0))
         record[links.ESTIMATE] = link.describe()
         added = message_bytes(msg.content) - before
         stats = self.compressed.rounds.get(server_round)
@@ -211,13 +217,20 @@ class MeasuredLinkStrategy(Strategy):
             return
         compute_s = float(record.get(P.COMPUTE_S, 0.0))
         budget = int(record.get(P.BUDGET, -1))
+        self._compute[node] = compute_s
         entry.update(budget=None if budget < 0 else budget, compute_s=compute_s,
                      budget_status=str(record.get(P.BUDGET_STATUS, "ok")))
         if netsim is not None:
             down_s, up_s = float(netsim["down-s"]), float(netsim["up-s"])
         elif links.RECEIVED_AT in record:
             received = float(record[links.RECEIVED_AT])
-            down_s, up_s = received - s.pushed_at, arrival - received - compute_s
+            started = float(record.get(links.STARTED_AT, -math.inf))
+            # the ClientApp's process start ends the download where it lies after the push (a deployment:
+            # one process per message, started once the node holds it); else (simulation: one process for
+            # many messages) the mod's clock does
+            end = started if s.pushed_at < started <= received else received
+            down_s, up_s = end - s.pushed_at, arrival - received - compute_s
+            entry["download_end"] = "process-start" if end == started else "received-at"
         else:  # the node budgets from a link it declares: nothing to split the round trip with
             entry["status"] = "declared link" if P.LINK in record else "no link"
             return

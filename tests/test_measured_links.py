@@ -75,6 +75,8 @@ def test_a_declared_link_wins_and_no_link_stays_unbudgeted():
     assert by_node[(2, 2)]["status"] == "ok" and "true_link" not in by_node[(2, 2)]
     # the wall-clock observations were taken (received-at reported by the mod)
     assert by_node[(2, 1)]["observed_up_s"] > 0 and by_node[(2, 1)]["observed_down_s"] > 0
+    # in-process, the "ClientApp" process (this one) started long before the push: received-at ends the download
+    assert by_node[(2, 1)]["download_end"] == by_node[(2, 2)]["download_end"] == "received-at"
 
 
 def test_without_an_estimate_the_mod_is_unbudgeted():
@@ -167,3 +169,87 @@ def test_a_reply_late_on_its_hidden_link_is_not_aggregated(streaming):
     statuses = {c["node"]: c["status"] for c in strategy.rounds[1].clients}
     assert statuses[6].startswith("error: late: ") and "deadline" in statuses[6] and statuses[0] == "ok"
     assert strategy.rounds[1].aggregated == 1
+
+
+def _observed(started_at, *, pushed_at=100.0, received_at=130.0, arrival=140.0, compute_s=4.0):
+    """The observer's record of one reply: pushed at ``pushed_at``, its mod's clock at ``received_at``,
+    its process started at ``started_at`` (None: not reported), back at ``arrival``."""
+    from flwr.app import Message
+
+    from fedcomp.strategies.measured import _Sent
+
+    strategy = MeasuredLinkStrategy(CompressedStrategy(FedAvg(), upload=SPEC, download="none()"), 20.0)
+    record = {P.COMPUTE_S: compute_s, P.BUDGET: 1300, links.RECEIVED_AT: received_at}
+    if started_at is not None:
+        record[links.STARTED_AT] = started_at
+    reply = Message(RecordDict({P.UPLOAD_RECORD: ConfigRecord(record)}), dst_node_id=0, message_type="train")
+    sent = _Sent(1, strategy.budgets.link(4), 500_000, pushed_at)
+    strategy._record(reply, arrival, 4, sent)
+    return strategy.estimates[-1]
+
+
+def test_the_process_start_ends_the_download_when_it_follows_the_push():
+    """A deployment's SuperNode starts the ClientApp's process once it holds the message: its start
+    ends the download, and the process's start-up (here 22 s before received-at) counts nowhere."""
+    e = _observed(108.0)
+    assert e["download_end"] == "process-start"
+    assert e["observed_down_s"] == pytest.approx(8.0)
+    assert e["observed_up_s"] == pytest.approx(140.0 - 130.0 - 4.0)  # from received-at: after the start-up
+    assert e["est_down_kbps"] == pytest.approx(500_000 * 8 / 8.0 / 1000)
+    assert _observed(130.0)["observed_down_s"] == pytest.approx(30.0)  # at received-at itself: still inside
+
+
+@pytest.mark.parametrize("started_at", [None, 50.0, 100.0, 131.0])
+def test_a_process_start_outside_push_to_received_is_ignored(started_at):
+    """Not reported (no /proc), before the push (simulation: one process for many messages), at the
+    push itself or after received-at (a clock that cannot be right): received-at ends the download."""
+    e = _observed(started_at)
+    assert e["download_end"] == "received-at" and e["observed_down_s"] == pytest.approx(30.0)
+    assert e["observed_up_s"] == pytest.approx(6.0)
+
+
+def test_the_mod_reports_its_process_start():
+    import time
+
+    from fedcomp.clients.mod import process_started_at
+
+    started = process_started_at()
+    if started is None:
+        pytest.skip("no /proc here: the mod reports no process start")
+    assert 0 < started <= time.time()
+    seen = []
+
+    def capture(msg, context, call_next):
+        reply = call_next(msg, context)
+        seen.append(dict(reply.content.config_records[P.UPLOAD_RECORD]))
+        return reply
+
+    _run({2: _ctx(2, profile="measured")}, rounds=2, mods=(capture,))
+    assert len(seen) == 2 and all(r[links.STARTED_AT] == pytest.approx(started, abs=0.05) for r in seen)
+    assert all(r[links.STARTED_AT] < r[links.RECEIVED_AT] for r in seen)
+
+
+def test_slow_start_keeps_probing_when_the_download_alone_passes_the_deadline():
+    """Downloads measured at 25 s against a 20 s deadline (the ClientApp's start-up in them), 1.3 kB
+    uploads: a budget of 0 would keep the upload sizes equal and its latency unfitted for good.
+    Instead the probe grows (growth x the largest seen), on the server's budget and on the link sent."""
+    mb = MeasuredBudgets(20.0)
+    for _ in range(3):
+        mb.observe(4, up_bytes=1300, up_s=3.0, down_bytes=500_000, down_s=25.0)
+    assert mb.budget(4, 4, download_bytes=500_000, compute_s=2.0) == 4 * 1300
+    link = mb.link(4, download_bytes=500_000, compute_s=2.0)
+    assert link.byte_cap == 4 * 1300 and link.deadline_s is None
+    assert links.upload_budget(link, 500_000, 2.0) == 4 * 1300  # what the client budgets from it
+    # without the broadcast's size the server cannot tell: the deadline stays (the client then budgets 0)
+    assert mb.link(4).deadline_s == 20.0
+    # a download that leaves time: the slow-start cap and the deadline both bound, as before
+    fast = MeasuredBudgets(20.0)
+    for _ in range(3):
+        fast.observe(4, up_bytes=1300, up_s=3.0, down_bytes=500_000, down_s=2.0)
+    assert fast.link(4, download_bytes=500_000, compute_s=2.0).deadline_s == 20.0
+    assert fast.budget(4, 4, download_bytes=500_000, compute_s=2.0) == 4 * 1300
+    # once the upload latency is fitted, an estimate past the deadline budgets 1 byte (no probe)
+    for size in (5200, 20800):
+        mb.observe(4, up_bytes=size, up_s=3.0 + size * 8 / 10e3, down_bytes=500_000, down_s=25.0)
+    assert mb.link(4, download_bytes=500_000, compute_s=2.0).deadline_s == 20.0
+    assert mb.budget(4, 5, download_bytes=500_000, compute_s=2.0) == 1
