@@ -42,6 +42,18 @@ def _mag(v):
     return np.int64(_i32_bits(v) & np.int32(0x7FFFFFFF))
 
 
+@njit(inline="always")
+def _lo(a, b):
+    """The smaller of two non-NaN fp32 values (b where equal)."""
+    return a if a < b else b
+
+
+@njit(inline="always")
+def _hi(a, b):
+    """The larger of two non-NaN fp32 values (a where equal)."""
+    return b if a < b else a
+
+
 @njit(cache=True, nogil=True)
 def estimate_hist(table, k0s, k1s, cols, lo, y, hist):
     """y[j] = the median-of-rows estimate of element lo + j (``CountSketch._estimates``: sign *
@@ -74,6 +86,19 @@ def estimate_hist(table, k0s, k1s, cols, lo, y, hist):
             e = est[0]
             for j in range(m):
                 y[a + j] = e[j]
+        elif rows == 5:  # Knuth's 9-comparator sorting network of min / max (branch-free, vectorised),
+            # pruned to what the middle value needs (checked on every ordering of 5 values, ties included)
+            for j in range(m):
+                v0, v1, v2, v3, v4 = est[0, j], est[1, j], est[2, j], est[3, j], est[4, j]
+                isnan = (v0 != v0) | (v1 != v1) | (v2 != v2) | (v3 != v3) | (v4 != v4)
+                v0, v3 = _lo(v0, v3), _hi(v0, v3)
+                v1, v4 = _lo(v1, v4), _hi(v1, v4)
+                v0, v2 = _lo(v0, v2), _hi(v0, v2)
+                v1, v3 = _lo(v1, v3), _hi(v1, v3)
+                v1, v2 = _hi(v0, v1), _lo(v2, v4)  # (0,1), (2,4): the halves the middle needs
+                v1, v2 = _lo(v1, v2), _hi(v1, v2)  # (1,2)
+                v2 = _lo(v2, v3)  # (2,3); (3,4) does not change it
+                y[a + j] = np.float32(np.nan) if isnan else v2
         else:
             for j in range(m):
                 isnan = False
