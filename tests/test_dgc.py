@@ -426,3 +426,33 @@ def test_bad_parameters_name_the_value(spec, named):
     with pytest.raises(SpecError) as err:
         build_codec(spec)
     assert named in str(err.value), str(err.value)
+
+
+# -- the study script (simulations/dgc_study.py): pairing and keys, on made-up runs -------------
+def test_dgc_study_pairs_seeds_and_keys_runs_by_the_spec_they_ran(tmp_path):
+    """A run is keyed by its canonical spec as it ran: an old ``dgc(ratio=0.001)`` run (momentum 0.9
+    then) is ``dgc(momentum=0.9)`` today, not ``dgc()``; gaps are paired per seed."""
+    import argparse
+    import json
+
+    from fedcomp.simulations import dgc_study
+
+    a = argparse.Namespace(task="digits", model="mlp", rounds=2, clients=10, fraction=1.0, lr=0.3)
+
+    def row(spec, ran_as, seed, acc, up):
+        return {"spec": spec, "canonical": ran_as, "upload": spec, "seed": seed, "task": "digits", "model": "mlp",
+                "planned_rounds": 2, "clients": 10, "fraction": 1.0, "lr": 0.3, "accuracy": acc,
+                "upload_bytes": up, "finite": True}
+
+    old = "dgc(ratio=0.001,momentum=0.9,clip=0.0,warmup=0,sample=0.01,index='rice')"
+    rows = [row("dense", "dense", 0, [0.5, 0.9], [1000, 1000]), row("dense", "dense", 1, [0.5, 0.8], [1000, 1000]),
+            row("dgc(ratio=0.001)", old, 0, [0.4, 0.8], [10, 10]), row("dgc(ratio=0.001)", old, 1, [0.4, 0.8], [20, 20])]
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = dgc_study.load(path)
+    assert dgc_study._key("dgc(momentum=0.9)", 0, a) in runs and dgc_study._key("dgc()", 0, a) not in runs
+    text = dgc_study.table(["dgc(momentum=0.9)", "dgc()"], [0, 1], a, runs)
+    line = next(x for x in text.splitlines() if x.startswith("| `dgc(momentum=0.9)`"))
+    # final: 80 - 90 = -10 and 80 - 80 = 0; ratio: 2000/20 and 2000/40
+    assert "| 0,1 | 80.00 | -5.00 [-10.00, +0.00] sd 7.07 |" in line and "| 75.0 | yes |" in line
+    assert "| `dgc()` | 0 | not run |" in text
