@@ -23,9 +23,8 @@ encode's own time is not known before the fit: the budget reserves the longest o
 recent encodes (x1.5). A node that declares no link budgets from the link the server measured for
 it, when the broadcast carries one (:data:`fedcomp.links.ESTIMATE`, sent by
 :class:`fedcomp.strategies.measured.MeasuredLinkStrategy`); its reply then also reports the wall time
-at which the broadcast reached it (``received-at``) and, on Linux, when its process started
-(``process-started-at``: in a deployment, the download's end before the ClientApp's start-up), from
-which the server times both transfers. Without
+at which the broadcast reached it (``received-at``), from which the server times both transfers,
+and, on Linux, when its process started (``process-started-at``: where the time went). Without
 a link (profile 'none', no link keys, no estimate) nothing of this happens.
 
 Messages without a fedcomp record (evaluation, or a strategy that is not wrapped) pass through;
@@ -77,10 +76,10 @@ def process_started_at() -> float | None:
     """When this process started, in Unix seconds: ``/proc/self/stat``'s start time (clock ticks
     since boot) against ``/proc/uptime``; None where /proc is not there (not Linux) or unreadable.
 
-    Reported next to ``received-at`` (:data:`fedcomp.links.STARTED_AT`): a deployment's SuperNode
-    starts the ClientApp's process only once it holds the whole message, so the process start marks
-    the download's end, and the process's start-up and imports (seconds on a loaded node) stay out
-    of the measured download. Resolution: one clock tick (10 ms)."""
+    Reported next to ``received-at`` (:data:`fedcomp.links.STARTED_AT`): in a deployment, where a
+    process serves one message, the server splits the measured download at it into Flower's polls
+    (before) and the process's start-up and imports (after). Not the download's end: Flower 1.39
+    starts the process before the message's arrays are pulled. Resolution: one clock tick (10 ms)."""
     try:
         with open("/proc/self/stat") as f:
             stat = f.read()

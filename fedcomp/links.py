@@ -108,9 +108,9 @@ ESTIMATE = "link-estimate"  # str (server -> client, in the download record): th
 RECEIVED_AT = "received-at"  # float (client -> server, in the upload record, estimated links only): the
 # client's wall clock (Unix seconds) when its mod received the broadcast
 STARTED_AT = "process-started-at"  # float (client -> server, next to RECEIVED_AT; Linux only): when the
-# ClientApp's process started (Unix seconds). A deployment's SuperNode starts one once it holds the whole
-# message, so this marks the download's end without the process's start-up and imports; in simulation one
-# process serves many messages and it predates the push (the server then uses RECEIVED_AT)
+# ClientApp's process started (Unix seconds); in a deployment (a process per message) it splits the measured
+# download into Flower's polls and the process's start-up (fedcomp.strategies.measured); in simulation one
+# process serves many messages and it predates the push (ignored)
 NETSIM_RECORD = "fedcomp.netsim"  # ConfigRecord a simulated network adds to a reply: the hidden link's
 # transfer times (simulation only; the server's observer removes it before anything counts the reply)
 

@@ -15,16 +15,18 @@ kbps, latency: :class:`fedcomp.adapt.LinkEstimator`), and each round:
    counted in the round's download bytes.
 2. When the reply arrives, the transfer times go to the estimator:
 
-   * deployment (wall clocks): download = the end of the download - the server's push time,
-     where the end is the client's ``process-started-at`` (when the SuperNode started the
-     ClientApp's process, which it does once it holds the whole message) if that lies after the
-     push and before ``received-at``, else ``received-at`` (its mod's clock when the broadcast
-     reached it; simulation, or no /proc); upload = the arrival at the ServerApp - the client's
-     ``received-at`` - its measured compute (decode, training, encode). So the ClientApp's start-up
-     and imports count in neither direction; Flower's polls (the SuperNode's of the SuperLink, the
-     SuperExec's of the SuperNode, the ServerApp's replies) still count, as a deadline sees them.
-     Clocks are assumed synchronised (NTP: milliseconds), a skew moves time from one direction to
-     the other.
+   * deployment (wall clocks): download = the client's ``received-at`` (its mod's clock when the
+     broadcast reached it) - the server's push time; upload = the arrival at the ServerApp - the
+     client's ``received-at`` - its measured compute (decode, training, encode). Both include
+     Flower's own delays (SuperNode polling, ClientApp start), which is what a deadline sees;
+     clocks are assumed synchronised (NTP: milliseconds), a skew moves time from one direction
+     to the other. Where the client reports its process start (``process-started-at``) between the
+     push and ``received-at`` (a deployment: one ClientApp process per message), the record splits
+     the download into ``process_start_s`` (push to process start) and ``startup_s`` (process
+     start to ``received-at``). The process start does not end the download: Flower 1.39's
+     SuperNode creates the ClientApp's task, and the SuperExec starts its process, before the
+     message's arrays are pulled (the ClientApp then waits for them), so it marks about the
+     download's start.
    * simulation: a simulated network (``fedcomp.simulations.netsim``) adds the hidden link's
      transfer times to the reply (:data:`fedcomp.links.NETSIM_RECORD`); this observer takes them
      out before the wrapped strategy counts or decodes the reply, and records the true times,
@@ -224,13 +226,10 @@ class MeasuredLinkStrategy(Strategy):
             down_s, up_s = float(netsim["down-s"]), float(netsim["up-s"])
         elif links.RECEIVED_AT in record:
             received = float(record[links.RECEIVED_AT])
+            down_s, up_s = received - s.pushed_at, arrival - received - compute_s
             started = float(record.get(links.STARTED_AT, -math.inf))
-            # the ClientApp's process start ends the download where it lies after the push (a deployment:
-            # one process per message, started once the node holds it); else (simulation: one process for
-            # many messages) the mod's clock does
-            end = started if s.pushed_at < started <= received else received
-            down_s, up_s = end - s.pushed_at, arrival - received - compute_s
-            entry["download_end"] = "process-start" if end == started else "received-at"
+            if s.pushed_at < started <= received:  # a process for this message (a deployment): where the time went
+                entry.update(process_start_s=started - s.pushed_at, startup_s=received - started)
         else:  # the node budgets from a link it declares: nothing to split the round trip with
             entry["status"] = "declared link" if P.LINK in record else "no link"
             return

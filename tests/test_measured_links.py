@@ -75,8 +75,8 @@ def test_a_declared_link_wins_and_no_link_stays_unbudgeted():
     assert by_node[(2, 2)]["status"] == "ok" and "true_link" not in by_node[(2, 2)]
     # the wall-clock observations were taken (received-at reported by the mod)
     assert by_node[(2, 1)]["observed_up_s"] > 0 and by_node[(2, 1)]["observed_down_s"] > 0
-    # in-process, the "ClientApp" process (this one) started long before the push: received-at ends the download
-    assert by_node[(2, 1)]["download_end"] == by_node[(2, 2)]["download_end"] == "received-at"
+    # in-process, the "ClientApp" process (this one) started long before the push: no split
+    assert "startup_s" not in by_node[(2, 1)] and "startup_s" not in by_node[(2, 2)]
 
 
 def test_without_an_estimate_the_mod_is_unbudgeted():
@@ -188,24 +188,26 @@ def _observed(started_at, *, pushed_at=100.0, received_at=130.0, arrival=140.0, 
     return strategy.estimates[-1]
 
 
-def test_the_process_start_ends_the_download_when_it_follows_the_push():
-    """A deployment's SuperNode starts the ClientApp's process once it holds the message: its start
-    ends the download, and the process's start-up (here 22 s before received-at) counts nowhere."""
+def test_a_process_start_after_the_push_splits_the_download_it_does_not_end():
+    """A deployment's ClientApp process (one per message) started 8 s after the push and its mod got
+    the broadcast 22 s later: the record says where the time went; the download stays push ->
+    received-at (Flower 1.39 starts the process before the message's arrays are pulled: the process
+    start is no download end), the upload from received-at."""
     e = _observed(108.0)
-    assert e["download_end"] == "process-start"
-    assert e["observed_down_s"] == pytest.approx(8.0)
-    assert e["observed_up_s"] == pytest.approx(140.0 - 130.0 - 4.0)  # from received-at: after the start-up
-    assert e["est_down_kbps"] == pytest.approx(500_000 * 8 / 8.0 / 1000)
-    assert _observed(130.0)["observed_down_s"] == pytest.approx(30.0)  # at received-at itself: still inside
+    assert e["process_start_s"] == pytest.approx(8.0) and e["startup_s"] == pytest.approx(22.0)
+    assert e["observed_down_s"] == pytest.approx(30.0)
+    assert e["observed_up_s"] == pytest.approx(140.0 - 130.0 - 4.0)
+    assert e["est_down_kbps"] == pytest.approx(500_000 * 8 / 30.0 / 1000)
+    assert _observed(130.0)["startup_s"] == pytest.approx(0.0)  # at received-at itself: still inside
 
 
 @pytest.mark.parametrize("started_at", [None, 50.0, 100.0, 131.0])
 def test_a_process_start_outside_push_to_received_is_ignored(started_at):
     """Not reported (no /proc), before the push (simulation: one process for many messages), at the
-    push itself or after received-at (a clock that cannot be right): received-at ends the download."""
+    push itself or after received-at (a clock that cannot be right): nothing split, same times."""
     e = _observed(started_at)
-    assert e["download_end"] == "received-at" and e["observed_down_s"] == pytest.approx(30.0)
-    assert e["observed_up_s"] == pytest.approx(6.0)
+    assert "startup_s" not in e and "process_start_s" not in e
+    assert e["observed_down_s"] == pytest.approx(30.0) and e["observed_up_s"] == pytest.approx(6.0)
 
 
 def test_the_mod_reports_its_process_start():
