@@ -157,8 +157,10 @@ def node_link(context: Context, cfg) -> links.Link | None:
 
 def estimated_link(cfg) -> links.Link | None:
     """The link the server measured for this node (:data:`fedcomp.links.ESTIMATE` in the broadcast,
-    sent by :class:`fedcomp.strategies.measured.MeasuredLinkStrategy`), with the run's deadline where
-    it has none; None when the server sent none. Used only when the node declares no link.
+    sent by :class:`fedcomp.strategies.measured.MeasuredLinkStrategy`), as sent; None when the server
+    sent none. Used only when the node declares no link. The server states the deadline in it, except
+    while it probes a node its estimate puts past the deadline (slow start: the byte cap alone budgets,
+    :meth:`fedcomp.adapt.MeasuredBudgets.link`), so the run's deadline is not filled in.
 
     Raises :class:`ModError` when the text does not describe a link."""
     text = cfg.get(links.ESTIMATE)
@@ -169,10 +171,7 @@ def estimated_link(cfg) -> links.Link | None:
     except (links.LinkError, ValueError) as exc:
         raise ModError(f"fedcomp could not read the link the server estimated for this node ({text!r}): {exc}; "
                        f"the server and this client must run the same fedcomp version") from exc
-    if link is None:
-        return None
-    deadline = float(cfg.get(P.DEADLINE, 0.0))
-    return link if link.deadline_s is not None else links.with_deadline(link, deadline if deadline > 0 else None)
+    return link
 
 
 InitialModel = Callable[[Context], Mapping[str, torch.Tensor]]

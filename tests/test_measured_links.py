@@ -242,6 +242,8 @@ def test_slow_start_keeps_probing_when_the_download_alone_passes_the_deadline():
     link = mb.link(4, download_bytes=500_000, compute_s=2.0)
     assert link.byte_cap == 4 * 1300 and link.deadline_s is None
     assert links.upload_budget(link, 500_000, 2.0) == 4 * 1300  # what the client budgets from it
+    from fedcomp.clients.mod import estimated_link  # ...which keeps it without the run's deadline
+    assert estimated_link({links.ESTIMATE: link.describe(), P.DEADLINE: 20.0}) == link
     # without the broadcast's size the server cannot tell: the deadline stays (the client then budgets 0)
     assert mb.link(4).deadline_s == 20.0
     # a download that leaves time: the slow-start cap and the deadline both bound, as before
