@@ -91,11 +91,12 @@ def test_strategy_study_tiny(tmp_path):
     assert [(r["strategy"], r["wrapped"]) for r in runs] == [("FedAvg", False), ("FedAvg", True),
                                                             ("FedMedian", False), ("FedMedian", True)]
     uploads = {(r["strategy"], r["wrapped"]): r["upload"] for r in runs}
-    assert uploads[("FedMedian", True)] == "qsgd(bits=4)" and uploads[("FedAvg", True)].startswith("topk(")
+    # the robust strategy aggregates in sketch space (strategies/robust_sketch.py)
+    assert uploads[("FedMedian", True)].startswith("sketch(") and uploads[("FedAvg", True)].startswith("topk(")
     dense, compressed = runs[0]["rounds"][0]["upload_bytes"], runs[1]["rounds"][0]["upload_bytes"]
     assert dense > 100 * compressed  # the wrapped FedAvg run really compressed
     table = strategy_study.table(out)
-    assert "| FedMedian |" in table and "`qsgd(bits=4)`" in table
+    assert "| FedMedian |" in table and "`sketch(" in table
 
 
 def test_strategy_study_runs_of_one_seed_are_the_same_whatever_ran_before():
