@@ -61,7 +61,7 @@ DEFAULTS: dict[str, dict] = {
     "topk": {"ratio": 0.01, "scope": "global", "index": "rice"},
     "threshold": {"tau": 1e-3, "ratio": 0.0, "mode": "abs", "sample": 0.01, "scope": "global", "index": "rice"},
     "randomk": {"ratio": 0.1, "scope": "global", "rescale": True},
-    "dgc": {"ratio": 0.01, "momentum": 0.9, "clip": 0.0, "warmup": 0, "sample": 0.01, "index": "rice"},
+    "dgc": {"ratio": 0.001, "momentum": 0.7, "clip": 0.0, "warmup": 0, "start": 0.25, "sample": 0.01, "index": "rice"},
     "powersgd": {"rank": 2, "min_compression": 2.0, "seed": 0},
     "sketch": {"rows": 1, "cols": 0, "ratio": 0.02, "seed": 0},  # cols 0: from the segment (README)
 }
