@@ -1,6 +1,7 @@
 """Robust strategies under attack, wrapped and unwrapped: does compression keep their robustness?
 
-Ten clients on digits, all training every round; ``--attackers`` of them (partitions 0, 1...) train
+Ten clients on digits, all training every round (``--clients``/``--fraction`` for cross-device);
+``--attackers`` of them (partitions 0, 1...) train
 honestly, then reply ``received + factor x (trained - received)``: ``flip`` sends the update
 reversed and scaled (``--flip-factor``, default -4), ``scale`` sends it scaled (``--scale-factor``,
 default 8); both stay inside the wrapper's default norm guard (10x), so what holds them is the
@@ -33,12 +34,10 @@ from fedcomp.simulations.netsim import netsim_mod
 ATTACKS = {"flip": "flip-factor", "scale": "scale-factor"}
 
 
-def attack_app(attackers: int, factor: float) -> ClientApp:
-    """The project's ClientApp whose partitions ``0..attackers-1`` reply ``received + factor x update``
-    (before the compression mod encodes it)."""
-    app = ClientApp(mods=[netsim_mod, faults_mod, make_compression_mod(initial_model=client_app.initial_model)])
+def attack_train(attackers: int, factor: float):
+    """The project's ClientApp ``train`` whose partitions ``0..attackers-1`` reply ``received + factor x
+    update``."""
 
-    @app.train()
     def train(msg: Message, context: Context) -> Message:
         reply = client_app.train(msg, context)
         if int(context.node_config["partition-id"]) >= attackers:
@@ -50,6 +49,14 @@ def attack_app(attackers: int, factor: float) -> ClientApp:
         content = RecordDict({"arrays": ArrayRecord(forged), "metrics": reply.content.metric_records["metrics"]})
         return Message(content, reply_to=msg)
 
+    return train
+
+
+def attack_app(attackers: int, factor: float) -> ClientApp:
+    """The project's ClientApp (its mods) around :func:`attack_train`: the attack happens before
+    ``compression_mod`` encodes the reply."""
+    app = ClientApp(mods=[netsim_mod, faults_mod, make_compression_mod(initial_model=client_app.initial_model)])
+    app.train()(attack_train(attackers, factor))
     return app
 
 
@@ -59,7 +66,7 @@ def final_accuracy(history, last: int = 3) -> float:
 
 
 def study(strategies: Sequence[str], seeds: Sequence[int], rounds: int, attackers: int, factor: float,
-          upload: str, settings: dict, clients: int = 10) -> list[dict]:
+          upload: str, settings: dict, clients: int = 10, fraction: float = 1.0) -> list[dict]:
     rows = []
     for name in strategies:
         for seed in seeds:
@@ -67,8 +74,8 @@ def study(strategies: Sequence[str], seeds: Sequence[int], rounds: int, attacker
             for wrapped in (False, True):
                 up = upload if wrapped else DENSE
                 extra = settings if wrapped else {}
-                clean = run(up, strategy=name, rounds=rounds, clients=clients, seed=seed, **extra)
-                hit = run(up, strategy=name, rounds=rounds, clients=clients, seed=seed,
+                clean = run(up, strategy=name, rounds=rounds, clients=clients, fraction=fraction, seed=seed, **extra)
+                hit = run(up, strategy=name, rounds=rounds, clients=clients, fraction=fraction, seed=seed,
                           app=attack_app(attackers, factor), **extra)
                 tag = "wrapped" if wrapped else "plain"
                 row[f"{tag}_clean"] = final_accuracy(clean)
@@ -111,7 +118,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     ap.add_argument("--strategies", nargs="+", default=["FedMedian", "Krum", "FedTrimmedAvg"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--attackers", type=int, default=2)
+    ap.add_argument("--attackers", type=int, default=2, help="partitions 0..N-1 attack")
+    ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--fraction", type=float, default=1.0, help="of the clients sampled per round (cross-device: 0.1)")
     ap.add_argument("--attack", choices=sorted(ATTACKS), default="flip")
     ap.add_argument("--flip-factor", type=float, default=-4.0)
     ap.add_argument("--scale-factor", type=float, default=8.0)
@@ -125,8 +134,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     settings = {"aggregation": args.aggregation}
     if args.server_momentum is not None:
         settings["server_momentum"] = args.server_momentum
-    rows = study(args.strategies, args.seeds, args.rounds, args.attackers, factor, args.upload, settings)
-    print(f"{args.attack} x{factor:g}, {args.attackers} of 10 clients, {args.rounds} rounds, seeds {args.seeds}, "
+    rows = study(args.strategies, args.seeds, args.rounds, args.attackers, factor, args.upload, settings,
+                 clients=args.clients, fraction=args.fraction)
+    print(f"{args.attack} x{factor:g}, {args.attackers} of {args.clients} clients ({args.fraction:g} a round), "
+          f"{args.rounds} rounds, seeds {args.seeds}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.time() - t0:.0f} s")
     print(table(rows))
     if args.json:

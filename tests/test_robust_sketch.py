@@ -78,3 +78,23 @@ def test_zero_weight_replies_count_for_nothing_and_a_round_can_be_discarded():
 def test_only_translation_equivariant_robust_strategies_aggregate_in_sketch_space():
     assert robust_in_sketch_space(FedMedian()) and robust_in_sketch_space(Krum())
     assert not robust_in_sketch_space(FedAvg())
+
+
+def test_attack_app_reverses_and_scales_the_attackers_updates_only():
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+    from fedcomp.simulations import client_app, robust_study, task
+
+    model = task.build_model("mlp", seed=0).state_dict()
+    cfg = {"seed": 0, "task": "digits", "model": "mlp", "local-epochs": 1, "lr": 0.3, "batch-size": 32,
+           "partition-alpha": 0.5}
+    msg = Message(RecordDict({"arrays": ArrayRecord(model), "config": ConfigRecord({"server-round": 1})}),
+                  dst_node_id=1, message_type="train")
+    forged_train = robust_study.attack_train(1, -4.0)
+    for pid, factor in ((0, -4.0), (1, 1.0)):
+        ctx = Context(run_id=1, node_id=1, node_config={"partition-id": pid, "num-partitions": 3}, state=RecordDict(),
+                      run_config=dict(cfg))
+        honest = client_app.train(msg, ctx).content.array_records["arrays"].to_torch_state_dict()
+        sent = forged_train(msg, ctx).content.array_records["arrays"].to_torch_state_dict()
+        for k, v in model.items():
+            assert torch.allclose(sent[k], v + factor * (honest[k] - v), atol=1e-5), (pid, k)
