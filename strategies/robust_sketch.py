@@ -85,8 +85,10 @@ class RobustFeedback(ServerFeedback):
         return [torch.from_numpy(a.copy()).reshape(-1).to(torch.float64) for a in out]
 
     def _step(self, broadcast, nonce: int, round: int):
-        combined = self.robust_table()
-        self._tables = []
+        try:
+            combined = self.robust_table()
+        finally:  # a round's tables never reach the next round, whatever the inner strategy did
+            self._tables = []
         if combined is not None:  # the parent divides the sum by the weight: hand it the aggregate x weight
             self._sum = [c * self.weight for c in combined]
         return super()._step(broadcast, nonce, round)
