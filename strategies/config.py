@@ -31,8 +31,9 @@ on: it beat both the client-residual top-k and the sketch scheme with exact stat
 (an explicit ``upload='sketch(...)'`` still gets the statistics exact beside the sketch).
 
 Robust strategies whose aggregate is translation equivariant (FedMedian, FedTrimmedAvg, Krum,
-MultiKrum, Bulyan: ``robust_sketch``) aggregate in sketch space in every regime
-(:mod:`fedcomp.strategies.robust_sketch`): upload ``sketch(rows=1, cols=ceil(0.068 n),
+MultiKrum, Bulyan: ``robust_sketch``) aggregate in sketch space, FedMedian and FedTrimmedAvg in
+every regime, the Krum family when every node trains every round (in cross-device its robustness
+did not hold there: it keeps ``qsgd(bits=4)``) (:mod:`fedcomp.strategies.robust_sketch`): upload ``sketch(rows=1, cols=ceil(0.068 n),
 ratio=0.05)+qsgd(bits=4)``, the strategy's own aggregate over the clients' tables, FetchSGD's
 server step with momentum 0.9 (``server_momentum="auto"``), coupled download
 ``topk(ratio=0.05)+kbit(bits=4,stochastic=true)``. Sparse updates would defeat them (each

@@ -28,7 +28,8 @@ def resolve(host: CompressedStrategy, sampled: int, connected: int, arrays: Arra
     partial = sampled < connected
     statistics = bool(split_kinds(state)[STATISTIC])
     host._use(host.requested.resolve(partial=partial, numel=numel, sparse_averse=host.sparse_averse,
-                                     statistics=statistics, robust_sketch=robust_in_sketch_space(host.inner)))
+                                     statistics=statistics,
+                                     robust_sketch=robust_in_sketch_space(host.inner, partial)))
     if host.requested.auto:
         warn_biased(host)
     log(INFO, "fedcomp: %s (%d of %d nodes per round, %d parameters): upload %s, download %s, aggregation %s",

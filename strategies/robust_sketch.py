@@ -32,11 +32,18 @@ from fedcomp.server_feedback import ServerFeedback
 # aggregate_train of these is translation equivariant and reads nothing but the replies' arrays and
 # weights: it can aggregate the clients' update tables directly
 SKETCH_ROBUST = (FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan)
+# the ones whose robustness held in sketch space with a fraction of the clients a round too; Krum's
+# selection with server momentum did not (docs: Results, Robust strategies under attack)
+CROSS_DEVICE_SKETCH_ROBUST = (FedMedian, FedTrimmedAvg)
 
 
-def robust_in_sketch_space(strategy: Strategy) -> bool:
+def robust_in_sketch_space(strategy: Strategy, partial: bool = False) -> bool:
     """True for the strategies whose aggregate this module computes over sketches (exact types and
-    subclasses of :data:`SKETCH_ROBUST`)."""
+    subclasses of :data:`SKETCH_ROBUST`); with ``partial`` (a fraction of the nodes a round) only
+    those of :data:`CROSS_DEVICE_SKETCH_ROBUST`, the regime's default (an explicit sketch upload
+    still aggregates any of :data:`SKETCH_ROBUST` this way)."""
+    if partial and isinstance(strategy, (Krum, MultiKrum, Bulyan)):
+        return False
     return isinstance(strategy, SKETCH_ROBUST)
 
 

@@ -222,8 +222,9 @@ class CompressedStrategy(Strategy):
         # training round, which knows the nodes sampled, the nodes connected and the model's size
         self.sparse_averse = sparse_averse(inner)
         self._upload_set = False  # set_upload was called (AdaptiveStrategy): no regime resolution of the upload
-        self._use(config.resolve(partial=float(getattr(inner, "fraction_train", 1.0)) < 1,
-                                 sparse_averse=self.sparse_averse, robust_sketch=robust_in_sketch_space(inner)))
+        partial = float(getattr(inner, "fraction_train", 1.0)) < 1
+        self._use(config.resolve(partial=partial, sparse_averse=self.sparse_averse,
+                                 robust_sketch=robust_in_sketch_space(inner, partial)))
         if not config.auto:
             resolution.warn_biased(self)
         resolution.warn_sparse_averse(self)
