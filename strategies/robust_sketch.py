@@ -80,7 +80,7 @@ class RobustFeedback(ServerFeedback):
             return None
         replies = [
             Message(RecordDict({
-                "arrays": ArrayRecord({f"t{j}": v for j, v in enumerate(values)}),
+                getattr(self.inner, "arrayrecord_key", "arrays"): ArrayRecord({f"t{j}": v for j, v in enumerate(values)}),
                 "metrics": MetricRecord({self.weight_key: float(weight)}),
             }), dst_node_id=0, message_type="train")
             for values, weight in self._tables

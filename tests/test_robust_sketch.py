@@ -36,7 +36,8 @@ def _step(feedback, codec, updates, weights=None):
     return feedback.step()
 
 
-@pytest.mark.parametrize("strategy", [FedMedian(), FedTrimmedAvg(beta=0.2), Krum(num_malicious_nodes=2)])
+@pytest.mark.parametrize("strategy", [FedMedian(), FedTrimmedAvg(beta=0.2), Krum(num_malicious_nodes=2),
+                                      FedMedian(arrayrecord_key="weights")])
 def test_two_sign_flipped_attackers_do_not_move_the_robust_step(strategy):
     codec = fedcomp.build_codec(SPEC)
     honest = [_update(s) for s in range(8)]
