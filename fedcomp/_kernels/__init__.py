@@ -63,7 +63,6 @@ from fedcomp._kernels.unsketch import (  # noqa: F401
     keep_top,
     merge_ties,
     refine_hist,
-    sketch_at,
     sketch_values_at,
     zero_where,
 )

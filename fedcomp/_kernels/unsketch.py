@@ -15,7 +15,7 @@ touches: ~30 read passes of a 25M-element update and five n-sized temporaries. H
    exact 32-bit magnitude of the k-th largest and how many of those tied at it are taken, by
    each thread in position order;
 3. :func:`keep_top` (streaming): what is kept stays, the rest is zeroed, kept positions listed;
-4. :func:`sketch_at`: the sketch of the k kept values alone, the fp32 sums ``sketch_add`` forms
+4. :func:`sketch_values_at`: the sketch of the k kept values alone, the fp32 sums ``sketch_add`` forms
    for the dense delta (zeros add nothing), so momentum and error are zeroed at exactly the cells
    the torch path zeroes (:func:`zero_where`).
 
@@ -274,27 +274,10 @@ def merge_ties(pos, o, ties, take, out, y):
 
 
 @njit(cache=True, nogil=True)
-def sketch_at(pos, y, k0s, k1s, cols, table):
-    """table[cell] += sign * y[pos[i]] for the positions ``pos`` (ascending), row by row: the
-    fp32 sums ``sketch_add`` forms for the dense y where y is zero elsewhere (adding a zero
-    changes no sum)."""
-    c64 = np.uint64(cols)
-    one = np.uint32(1)
-    for r in range(k0s.shape[0]):
-        base = _base(k0s[r], 0)
-        k1 = k1s[r]
-        off = r * cols
-        for i in range(pos.shape[0]):
-            j = pos[i]
-            h = _h32(base, k1, j)
-            c = off + np.int64((np.uint64(h) * c64) >> np.uint64(32))
-            v = y[j]
-            table[c] += -v if h & one else v
-
-
-@njit(cache=True, nogil=True)
 def sketch_values_at(pos, vals, k0s, k1s, cols, table):
-    """:func:`sketch_at` with the values given per position (vals[i] at pos[i])."""
+    """table[cell] += sign * vals[i] for the positions ``pos`` (ascending), row by row: the fp32 sums
+    ``sketch_add`` forms for the dense vector holding vals[i] at pos[i] and zero elsewhere (adding a
+    zero changes no sum)."""
     c64 = np.uint64(cols)
     one = np.uint32(1)
     for r in range(k0s.shape[0]):

@@ -458,9 +458,7 @@ class CountSketch(Reducer):
             for t in tables:
                 t[applied] = 0
             return
-        mask = torch.zeros(self.cells(n))
-        keys = np.array(self._row_keys(n), dtype=np.uint32).reshape(-1, 2)
-        k_.sketch_at(positions.numpy(), y.numpy(), keys[:, 0].copy(), keys[:, 1].copy(), self.cols(n), mask.numpy())
+        mask = self.sketch_entries(positions, y[positions], n)  # the sketch of the k kept values alone
         for t in tables:
             k_.zero_where(mask.numpy(), t.numpy())
 
