@@ -207,6 +207,7 @@ class RoundReplies:
         weight, clipped, claimed = self.guard.weight(valid.weight, valid.norm)
         name, metrics, schema = valid.metrics
         checked = RecordDict({name: MetricRecord({**metrics, self.weight_key: _as_metric(weight, metrics[self.weight_key])})})
+        dense_bytes = message_bytes(valid.rest) + self.dense_model_bytes  # before collect mode puts the model in
         try:
             self._commit(valid, weight, checked)
         except fedcomp.FedcompError as exc:
@@ -219,7 +220,7 @@ class RoundReplies:
         self.guard.accept(valid.norm, weight)
         self.schemas.append(schema)
         self.accepted.append((valid.node, valid.entry))
-        self.on_accept(valid.node, valid.entry, message_bytes(valid.rest) + self.dense_model_bytes)
+        self.on_accept(valid.node, valid.entry, dense_bytes)
 
     def _commit(self, valid: _Valid, weight: float, checked: RecordDict) -> None:
         update = valid.update

@@ -47,6 +47,17 @@ def test_dense_baseline_against_compressed_bytes():
     assert comp.upload_bytes == sum(s.upload_bytes for s in comp.stats.values())
 
 
+@pytest.mark.parametrize("strategy", ["FedMedian", "QFedAvg"])
+def test_collected_replies_count_the_dense_model_once(strategy):
+    # strategies the wrapper hands decoded models (collect mode) have the same dense reference as the
+    # plain mean: the baseline's message size, not the model twice
+    dense = harness.run(harness.DENSE, strategy=strategy, rounds=1, clients=3, evaluate=False)
+    comp = harness.run("qsgd(bits=4)", strategy=strategy, rounds=1, clients=3, download="none()",
+                       aggregation="decode", evaluate=False)
+    assert comp.stats[1].aggregated == 3
+    assert comp.rows[0]["upload_bytes_dense"] == pytest.approx(dense.rows[0]["upload_bytes"], rel=0.01)
+
+
 def test_a_reply_the_wrapper_drops_shows_in_its_stats():
     def garble(msg, context, call_next):  # node 101 sends a payload no decoder accepts
         reply = call_next(msg, context)
