@@ -31,11 +31,11 @@ on: it beat both the client-residual top-k and the sketch scheme with exact stat
 (an explicit ``upload='sketch(...)'`` still gets the statistics exact beside the sketch).
 
 Robust strategies whose aggregate is translation equivariant (FedMedian, FedTrimmedAvg, Krum,
-MultiKrum, Bulyan: ``robust_sketch``) aggregate in sketch space, FedMedian and FedTrimmedAvg in
-every regime, the Krum family when every node trains every round (in cross-device its robustness
-did not hold there: it keeps ``qsgd(bits=4)``) (:mod:`fedcomp.strategies.robust_sketch`): upload ``sketch(rows=1, cols=ceil(0.068 n),
+MultiKrum, Bulyan: ``robust_sketch``) aggregate in sketch space in every regime
+(:mod:`fedcomp.strategies.robust_sketch`): upload ``sketch(rows=1, cols=ceil(0.068 n),
 ratio=0.05)+qsgd(bits=4)``, the strategy's own aggregate over the clients' tables, FetchSGD's
-server step with momentum 0.9 (``server_momentum="auto"``), coupled download
+server step with momentum 0.9 (``server_momentum="auto"``; 0 for the Krum family in cross-device,
+where momentum carried the rounds an attacker won into the next ones), coupled download
 ``topk(ratio=0.05)+kbit(bits=4,stochastic=true)``. Sparse updates would defeat them (each
 client's own 1% of coordinates leaves coordinate-wise medians at zero and makes distances between
 clients meaningless); aligned sketch tables do not.
@@ -203,7 +203,8 @@ class CompressionConfig:
                 and fedcomp.cross_device_spec(self.upload) != self.upload)
 
     def resolve(self, *, partial: bool, numel: int | None = None, sparse_averse: bool = False,
-                statistics: bool = False, robust_sketch: bool = False) -> "CompressionConfig":
+                statistics: bool = False, robust_sketch: bool = False,
+                robust_momentum: float = ROBUST_SERVER_MOMENTUM) -> "CompressionConfig":
         """This config with ``"auto"`` specs replaced for the regime (module docstring).
 
         ``partial``: not every connected node is sampled each round (cross-device); ``numel``:
@@ -213,7 +214,8 @@ class CompressionConfig:
         ``statistics``: the model has running statistics (BatchNorm) that must travel exact
         (``exact_statistics``): cross-device gets dense ``qsgd(bits=4)`` (module docstring);
         ``robust_sketch``: the inner strategy's aggregate can run over the clients' sketch tables
-        (:func:`fedcomp.strategies.robust_sketch.robust_in_sketch_space`).
+        (:func:`fedcomp.strategies.robust_sketch.robust_in_sketch_space`); ``robust_momentum``: its
+        server momentum for ``server_momentum='auto'`` (:func:`~fedcomp.strategies.robust_sketch.robust_momentum`).
         An explicit upload spec in cross-device takes its codec's cross-device defaults where it
         writes none of them (:func:`fedcomp.cross_device_spec`: ``topk()`` keeps a tenth);
         otherwise a config without ``"auto"`` comes back as is.
@@ -248,7 +250,7 @@ class CompressionConfig:
             download = self.download
         momentum = self.server_momentum
         if momentum == AUTO:
-            momentum = ROBUST_SERVER_MOMENTUM if robust else 0.0
+            momentum = robust_momentum if robust else 0.0
         return dataclasses.replace(self, upload=upload, download=download, coupled_download=coupled,
                                    server_momentum=momentum)
 

@@ -8,8 +8,8 @@ from logging import INFO, WARNING
 from flwr.app import ArrayRecord
 from flwr.common import log
 
-from fedcomp.strategies.config import AUTO, DENSE_UPLOAD
-from fedcomp.strategies.robust_sketch import robust_in_sketch_space
+from fedcomp.strategies.config import AUTO, DENSE_UPLOAD, ROBUST_SERVER_MOMENTUM
+from fedcomp.strategies.robust_sketch import robust_in_sketch_space, robust_momentum
 from fedcomp.tensor_kinds import STATISTIC, split_kinds
 
 
@@ -29,7 +29,8 @@ def resolve(host: CompressedStrategy, sampled: int, connected: int, arrays: Arra
     statistics = bool(split_kinds(state)[STATISTIC])
     host._use(host.requested.resolve(partial=partial, numel=numel, sparse_averse=host.sparse_averse,
                                      statistics=statistics,
-                                     robust_sketch=robust_in_sketch_space(host.inner, partial)))
+                                     robust_sketch=robust_in_sketch_space(host.inner, partial),
+                                     robust_momentum=robust_momentum(host.inner, partial, ROBUST_SERVER_MOMENTUM)))
     if host.requested.auto:
         warn_biased(host)
     log(INFO, "fedcomp: %s (%d of %d nodes per round, %d parameters): upload %s, download %s, aggregation %s",

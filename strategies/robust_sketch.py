@@ -32,19 +32,23 @@ from fedcomp.server_feedback import ServerFeedback
 # aggregate_train of these is translation equivariant and reads nothing but the replies' arrays and
 # weights: it can aggregate the clients' update tables directly
 SKETCH_ROBUST = (FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan)
-# the ones whose robustness held in sketch space with a fraction of the clients a round too; Krum's
-# selection with server momentum did not (docs: Results, Robust strategies under attack)
-CROSS_DEVICE_SKETCH_ROBUST = (FedMedian, FedTrimmedAvg)
+# selecting strategies (one or a few clients win a round): with a fraction of the clients a round,
+# server momentum carries a round an attacker won into the next ones; without it their robustness
+# held (docs: Results, Robust strategies under attack)
+SELECTING = (Krum, MultiKrum, Bulyan)
 
 
 def robust_in_sketch_space(strategy: Strategy, partial: bool = False) -> bool:
     """True for the strategies whose aggregate this module computes over sketches (exact types and
-    subclasses of :data:`SKETCH_ROBUST`); with ``partial`` (a fraction of the nodes a round) only
-    those of :data:`CROSS_DEVICE_SKETCH_ROBUST`, the regime's default (an explicit sketch upload
-    still aggregates any of :data:`SKETCH_ROBUST` this way)."""
-    if partial and isinstance(strategy, (Krum, MultiKrum, Bulyan)):
-        return False
+    subclasses of :data:`SKETCH_ROBUST`), in every regime (``partial``: a fraction of the nodes a
+    round; see :func:`robust_momentum`)."""
     return isinstance(strategy, SKETCH_ROBUST)
+
+
+def robust_momentum(strategy: Strategy, partial: bool, default: float) -> float:
+    """FetchSGD's server momentum for a robust strategy in sketch space (``server_momentum='auto'``):
+    0 for the selecting ones (:data:`SELECTING`) with a fraction of the nodes a round, else ``default``."""
+    return 0.0 if partial and isinstance(strategy, SELECTING) else default
 
 
 class RobustFeedback(ServerFeedback):

@@ -35,14 +35,14 @@ from fedcomp.strategies.aggregation import Aggregation
 from fedcomp.strategies.broadcasts import Broadcasts
 from fedcomp.strategies.budgets import Budgets
 from fedcomp.strategies.checks import ReplyChecks
-from fedcomp.strategies.config import CompressionConfig
+from fedcomp.strategies.config import ROBUST_SERVER_MOMENTUM, CompressionConfig
 from fedcomp.strategies.evaluation import Evaluation
 from fedcomp.strategies.failures import Failures
 from fedcomp.strategies.part import Outgoing, Part, Reply, RoundState
 from fedcomp.strategies.replies import MissingCompressionMod, NonFiniteModel, NoUsableReplies
 from fedcomp.strategies.report import Report
 from fedcomp.strategies.stats import RoundStats
-from fedcomp.strategies.robust_sketch import robust_in_sketch_space
+from fedcomp.strategies.robust_sketch import robust_in_sketch_space, robust_momentum
 from fedcomp.strategies.streaming import StreamingGrid, can_stream, sparse_averse
 from fedcomp.tensor_kinds import exact_state_policy
 
@@ -224,7 +224,8 @@ class CompressedStrategy(Strategy):
         self._upload_set = False  # set_upload was called (AdaptiveStrategy): no regime resolution of the upload
         partial = float(getattr(inner, "fraction_train", 1.0)) < 1
         self._use(config.resolve(partial=partial, sparse_averse=self.sparse_averse,
-                                 robust_sketch=robust_in_sketch_space(inner, partial)))
+                                 robust_sketch=robust_in_sketch_space(inner, partial),
+                                 robust_momentum=robust_momentum(inner, partial, ROBUST_SERVER_MOMENTUM)))
         if not config.auto:
             resolution.warn_biased(self)
         resolution.warn_sparse_averse(self)
