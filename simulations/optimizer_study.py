@@ -84,13 +84,17 @@ def scheme_run(scheme: str, *, strategy: str, task: str, model: str, seed: int, 
             "fraction": fraction, "rounds": rounds, "upload": h.upload, "download": h.download,
             "aggregation": h.aggregation, "accuracy": sum(accs[-LAST:]) / max(1, len(accs[-LAST:])),
             "accuracies": accs, "upload_x": sum(r["upload_bytes_dense"] for r in h.rows) / max(1, up),
-            "download_x": sum(r["download_bytes_dense"] for r in h.rows) / max(1, down), "error": h.error,
+            "download_x": sum(r["download_bytes_dense"] for r in h.rows) / max(1, down), "upload_bytes": up,
+            "download_bytes": down, "error": h.error,
             "seconds": round(time.time() - t0, 1)}
 
 
 def table(rows: list[dict]) -> str:
     """Per (task, model, strategy, regime, scheme): mean accuracy, its paired difference with the
-    dense run of the same seed (mean, min..max), rounds, upload x, download x."""
+    dense run of the same seed (mean, min..max), upload x (the dense run's measured Flower message
+    bytes over this run's: the wrapper's own dense count, ``upload_x`` in a row, counts the model
+    twice for strategies whose replies it collects) and download x (the wrapper's: the unwrapped
+    FedAdam's broadcasts are float64 from round 2 on, twice the model's own bytes)."""
     out = ["| task / model | strategy | regime | scheme | seeds | accuracy | vs dense (min..max) | up x | down x |",
            "|---|---|---|---|---|---|---|---|---|"]
     key = lambda r: (r["task"], r["model"], r["strategy"], r["clients"], r["fraction"], r["rounds"])  # noqa: E731
@@ -104,10 +108,15 @@ def table(rows: list[dict]) -> str:
                  for r in rs if (task, model, strat, clients, fraction, rounds, r["seed"]) in dense]
         vs = (f"{statistics.mean(diffs):+.2f} ({min(diffs):+.1f}..{max(diffs):+.1f})" if diffs and scheme != "dense"
               else "")
+        ups = []
+        for r in rs:  # against the dense run's measured bytes (the wrapper's dense count doubles in collect mode)
+            base = dense.get((task, model, strat, clients, fraction, rounds, r["seed"]))
+            ok = base is not None and "upload_bytes" in r and "upload_bytes" in base
+            ups.append(base["upload_bytes"] / r["upload_bytes"] if ok else r["upload_x"])
+        downs = [r["download_x"] for r in rs]
         regime = f"{clients} x {fraction:g}, {rounds} r"
         out.append(f"| {task} {model} | {strat} | {regime} | {scheme} | {','.join(str(r['seed']) for r in rs)} | "
-                   f"{acc:.2f} | {vs} | {statistics.mean(r['upload_x'] for r in rs):.1f} | "
-                   f"{statistics.mean(r['download_x'] for r in rs):.1f} |")
+                   f"{acc:.2f} | {vs} | {statistics.mean(ups):.1f} | {statistics.mean(downs):.1f} |")
     return "\n".join(out)
 
 

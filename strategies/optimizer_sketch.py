@@ -149,6 +149,28 @@ class SparseServerOptimizer:
         return out
 
 
+def optimizer_model(optimizer: SparseServerOptimizer, current: Mapping[str, torch.Tensor],
+                    mean: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The new global model from the global model ``current`` and the clients' weighted mean model
+    ``mean``: weights take ``optimizer``'s step on ``mean - current``, running statistics and
+    counters (:func:`fedcomp.tensor_kinds.split_kinds`) the mean, in the model's dtypes."""
+    if set(mean) != set(current):
+        raise SpecError(f"the replies' arrays {sorted(mean)} are not the model's {sorted(current)}")
+    weights = set(split_kinds(dict(current))[WEIGHT])
+    update = {k: mean[k].to(torch.float64) - current[k].to(torch.float64)
+              for k in current if k in weights and current[k].is_floating_point()}
+    step = optimizer.step(update)
+    out = {}
+    for k, v in current.items():
+        if k in step:
+            out[k] = (v.to(torch.float64) + step[k]).to(v.dtype)
+        elif v.is_floating_point():
+            out[k] = mean[k].to(v.dtype)
+        else:
+            out[k] = torch.round(mean[k].to(torch.float64)).to(v.dtype)
+    return out
+
+
 class OptimizerOnUpdates(Strategy):
     """A FedAdam / FedYogi / FedAdagrad whose server step is :class:`SparseServerOptimizer`'s on the
     replies' weighted mean update (module docstring). Everything else (sampling, configuration,
@@ -185,24 +207,8 @@ class OptimizerOnUpdates(Strategy):
         return ArrayRecord(self.apply(mean.to_torch_state_dict())), metrics
 
     def apply(self, mean: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The new global model from the clients' mean model: weights take the optimizer's step on
-        ``mean - current``, running statistics and counters the mean (in the model's dtypes)."""
-        current = self._current
-        if set(mean) != set(current):
-            raise SpecError(f"the replies' arrays {sorted(mean)} are not the model's {sorted(current)}")
-        weights = set(split_kinds(current)[WEIGHT])
-        update = {k: mean[k].to(torch.float64) - current[k].to(torch.float64)
-                  for k in current if k in weights and current[k].is_floating_point()}
-        step = self.optimizer.step(update)
-        out = {}
-        for k, v in current.items():
-            if k in step:
-                out[k] = (v.to(torch.float64) + step[k]).to(v.dtype)
-            elif v.is_floating_point():
-                out[k] = mean[k].to(v.dtype)
-            else:
-                out[k] = torch.round(mean[k].to(torch.float64)).to(v.dtype)
-        return out
+        """The new global model from the clients' mean model (:func:`optimizer_model`)."""
+        return optimizer_model(self.optimizer, self._current, mean)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid):
         return self.inner.configure_evaluate(server_round, arrays, config, grid)
