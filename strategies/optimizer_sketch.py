@@ -15,14 +15,16 @@ round, ``K`` times the uncompressed one; multiplied by the coordinate's arrival 
 So the second moment is fed ``p * d^2`` instead of ``d^2`` (Adam, Yogi and Adagrad update it as
 they do), and the step is linear in the delivered update ``d``: ``eta * d / (sqrt(v) + tau)``.
 A burst of ``K`` rounds then moves the model by ``K`` rounds' worth, as the uncompressed
-optimizer would, and with dense updates (``p = 1``) this is the inner strategy's own rule.
+optimizer would; with dense updates (``p = 1``) and momentum it is the inner strategy's own rule.
 
 Two places use it:
 
-* :class:`OptimizerOnUpdates`, the inner strategy for decoded uploads (cross-silo: each client's
-  top-k with its residual): the replies' weighted mean minus the global model is ``d``; with
-  ``momentum`` (the inner strategy's ``beta_1``) the step is ``eta * m / (sqrt(v) + tau)`` with
-  ``m`` the moving average of ``d``, a dense step (cross-silo downloads are dense anyway);
+* decoded uploads (cross-silo: each client's top-k with its residual): the replies' weighted mean
+  minus the global model is ``d`` (:func:`optimizer_model`; :class:`OptimizerOnUpdates` as an inner
+  strategy). ``momentum=True`` steps along ``m``, the moving average of ``d`` with the inner
+  strategy's ``beta_1`` (Flower's rule exactly on dense updates), ``momentum=False`` along ``d``:
+  on sparse uploads the moving average spreads each burst over the next rounds on top of the delay
+  the residual already adds, and lost to ``d`` in the study (docs, Results, "Server optimizers");
 * :class:`OptimizerFeedback`, FetchSGD's server step (:class:`fedcomp.server_feedback.ServerFeedback`)
   with the optimizer after the unsketch: the heavy hitters of the error table are ``d`` and the
   step is applied where they are, so it stays as sparse as the heavy hitters (the coupled

@@ -49,13 +49,14 @@ def _movement(optimizer, updates: list[torch.Tensor]) -> float:
     return float(total)
 
 
-def test_a_burst_of_k_rounds_moves_the_model_k_rounds_worth():
+@pytest.mark.parametrize("momentum", [True, False])
+def test_a_burst_of_k_rounds_moves_the_model_k_rounds_worth(momentum):
     k, rounds = 10, 200
     dense = [torch.ones(1)] * rounds
     burst = [torch.full((1,), float(k)) if (r + 1) % k == 0 else torch.zeros(1) for r in range(rounds)]
 
     def adam():
-        return SparseServerOptimizer(eta=0.01, beta_1=0.9, beta_2=0.99, tau=1e-3)
+        return SparseServerOptimizer(eta=0.01, beta_1=0.9, beta_2=0.99, tau=1e-3, momentum=momentum)
 
     moved_dense, moved_burst = _movement(adam(), dense), _movement(adam(), burst)
     assert moved_dense == pytest.approx(0.01 * rounds, rel=0.05)  # Adam on a constant update: eta a round
