@@ -11,11 +11,12 @@ when the number of connected nodes, the number sampled and the model's size are 
 (:meth:`CompressionConfig.resolve`):
 
 * every node in every round (cross-silo, e.g. ``fraction_train=1``): upload
-  ``topk(ratio=0.01)+qsgd(bits=4)`` with client error feedback, download ``none()``;
+  ``topk(ratio=0.02)+qsgd(bits=4)`` with client error feedback, download ``none()``;
 * a fraction of the nodes per round (cross-device, ``fraction_train < 1``): upload
-  ``sketch(rows=1, cols=ceil(0.068 n), ratio=0.02)+qsgd(bits=4)`` (n = float parameters) with
-  server-side error feedback (``aggregation="sketch"``, clients stateless), download coupled to
-  it (``coupled_download``): ``topk(ratio=0.02)+kbit(bits=4,stochastic=true)``, the server applies
+  ``sketch(rows=1, cols=ceil(0.068 n), ratio=0.007)+qsgd(bits=4)`` (n = float parameters) with
+  server-side error feedback (``aggregation="sketch"``, clients stateless) and server momentum 0.5
+  (``server_momentum="auto"``), download coupled to
+  it (``coupled_download``): ``topk(ratio=0.007)+kbit(bits=4,stochastic=true)``, the server applies
   exactly what it broadcasts. Client residuals go stale when a client is seen rarely; the
   server-side error table does not.
 
@@ -59,11 +60,12 @@ from fedcomp.policy import is_policy
 
 AGGREGATIONS = ("auto", "decode", "sketch")
 AUTO = "auto"
-SILO_UPLOAD = "topk(ratio=0.01)+qsgd(bits=4)"  # every node every round: client error feedback holds
+SILO_UPLOAD = "topk(ratio=0.02)+qsgd(bits=4)"  # every node every round: client error feedback holds (2%: docs, Results, Regimes)
 SILO_DOWNLOAD = "none()"
 DENSE_UPLOAD = "qsgd(bits=4)"  # sparse-averse strategies, cross-device BatchNorm models: dense, unbiased (module docstring)
 SKETCH_COLS_PER_PARAM = 0.068  # cross-device sketch columns per float parameter (16000 for 234k)
-SKETCH_RATIO = 0.02  # heavy hitters applied per round; the coupled download sends the same share (docstring)
+SKETCH_RATIO = 0.007  # heavy hitters applied per round; the coupled download sends the same share (docstring)
+SKETCH_SERVER_MOMENTUM = 0.5  # FetchSGD's rho for the auto cross-device sketch ('auto'; docs: Results, Cross-device)
 ROBUST_SKETCH_RATIO = 0.05  # robust strategies in sketch space: the heavy hitters' share (docs: Results, Robust)
 ROBUST_SERVER_MOMENTUM = 0.9  # their server momentum in sketch space ('auto'; docs: Results, Robust)
 PLACEHOLDER_PARAMS = 234_122  # before the model is known (the project's MLP): only cols depend on it
@@ -227,6 +229,7 @@ class CompressionConfig:
         statistics_exact = statistics and self.exact_statistics and self.aggregation == AUTO
         sketchable = ((self.aggregation == "sketch" or (partial and self.aggregation == AUTO))
                       and not budgets and not statistics_exact)
+        fetchsgd_auto = False  # 'auto' resolved to FetchSGD for an averaging strategy: its server momentum
         robust = (self.upload == AUTO and robust_sketch and self.aggregation in (AUTO, "sketch")
                   and not budgets and not statistics_exact)
         if robust:  # the strategy's own aggregate over aligned sketch tables, in every regime
@@ -237,6 +240,7 @@ class CompressionConfig:
             upload = DENSE_UPLOAD  # cross-device BatchNorm model: dense qsgd (module docstring)
         elif self.upload == AUTO:
             upload = cross_device_upload(numel or PLACEHOLDER_PARAMS) if sketchable else SILO_UPLOAD
+            fetchsgd_auto = sketchable
         else:
             upload = fedcomp.cross_device_spec(self.upload) if cross_device else self.upload
         codec = fedcomp.build_codec(upload)
@@ -250,7 +254,7 @@ class CompressionConfig:
             download = self.download
         momentum = self.server_momentum
         if momentum == AUTO:
-            momentum = robust_momentum if robust else 0.0
+            momentum = robust_momentum if robust else SKETCH_SERVER_MOMENTUM if fetchsgd_auto else 0.0
         return dataclasses.replace(self, upload=upload, download=download, coupled_download=coupled,
                                    server_momentum=momentum)
 

@@ -80,8 +80,8 @@ class CompressedStrategy(Strategy):
     upload : str (default: ``"auto"``)
         Codec spec the clients use for their updates. ``"auto"`` picks it from the regime at the
         first training round (:class:`CompressionConfig`): every connected node sampled every round ->
-        ``topk(ratio=0.01)+qsgd(bits=4)`` with client error feedback; fewer (``fraction_train < 1``)
-        -> ``sketch(rows=1, cols=ceil(0.068 n), ratio=0.02)+qsgd(bits=4)`` (n = float parameters)
+        ``topk(ratio=0.02)+qsgd(bits=4)`` with client error feedback; fewer (``fraction_train < 1``)
+        -> ``sketch(rows=1, cols=ceil(0.068 n), ratio=0.007)+qsgd(bits=4)`` (n = float parameters)
         with server-side error feedback (``aggregation="sketch"``). Link budgets and ``delta``
         keep the first in every regime.
     download : str (default: ``"auto"``)

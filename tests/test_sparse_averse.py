@@ -14,6 +14,7 @@ from flwr.serverapp import strategy as fs
 
 from conftest import node_context, run_round, tiny_model
 from fedcomp.strategies.config import (DENSE_UPLOAD, ROBUST_SERVER_MOMENTUM, ROBUST_SKETCH_RATIO, SILO_UPLOAD,
+                                       SKETCH_SERVER_MOMENTUM,
                                        CompressionConfig)
 from fedcomp.strategies.robust_sketch import RobustFeedback
 from fedcomp.strategies.wrapper import CompressedStrategy
@@ -61,6 +62,10 @@ def test_averaging_strategies_keep_the_regime_defaults(fraction):
     strategy = CompressedStrategy(fs.FedAvgM(fraction_train=fraction))
     assert not strategy.sparse_averse
     assert (strategy.config.upload == SILO_UPLOAD) == (fraction == 1.0)
+    # FetchSGD in cross-device takes its server momentum; explicit specs keep 0
+    assert strategy.config.momentum == (0.0 if fraction == 1.0 else SKETCH_SERVER_MOMENTUM)
+    explicit = CompressedStrategy(fs.FedAvgM(fraction_train=fraction), upload="sketch(rows=1,cols=100,ratio=0.01)")
+    assert explicit.config.momentum == 0.0
 
 
 class _Records(logging.Handler):

@@ -205,18 +205,21 @@ def test_coupled_download_needs_sketch_aggregation():
 def test_auto_specs_follow_the_nodes_sampled_and_the_models_size(fraction, min_nodes, regime):
     import math
 
+    from fedcomp.strategies.config import SKETCH_RATIO, SKETCH_SERVER_MOMENTUM
+
     model = tiny_model(rows=64, cols=60)
     strategy = CompressedStrategy(FedAvg(fraction_train=fraction, min_train_nodes=min_nodes, min_available_nodes=2))
     run_round(strategy, model, _contexts(4), 1)
     numel = 64 * 60 + 64
     if regime == "silo":
-        assert strategy.upload.spec.startswith("topk(ratio=0.01") and strategy.error_feedback
+        assert strategy.upload.spec.startswith("topk(ratio=0.02") and strategy.error_feedback
         assert strategy.aggregation == "decode" and strategy.tiers[0].codec.spec == "none()"
     else:
-        assert strategy.upload.spec.startswith(f"sketch(rows=1,cols={math.ceil(0.068 * numel)},ratio=0.02")
+        assert strategy.upload.spec.startswith(f"sketch(rows=1,cols={math.ceil(0.068 * numel)},ratio={SKETCH_RATIO}")
         assert strategy.aggregation == "sketch" and not strategy.error_feedback
         assert strategy.config.coupled_download and "stochastic=True" in strategy.tiers[0].codec.spec
-        assert strategy.tiers[0].codec.spec.startswith("topk(ratio=0.02,")  # the upload's heavy-hitter share
+        assert strategy.tiers[0].codec.spec.startswith(f"topk(ratio={SKETCH_RATIO},")  # the upload's heavy-hitter share
+        assert strategy.config.momentum == SKETCH_SERVER_MOMENTUM
     assert strategy.rounds[1].aggregated == (4 if regime == "silo" else 2)
 
 
