@@ -30,6 +30,8 @@ from fedcomp.aggregate import Accumulator, apply_step
 from fedcomp.broadcast import reference_crc
 from fedcomp.codec import derive_nonce
 from fedcomp.server_feedback import BroadcastFailed, ServerFeedback
+from fedcomp.strategies.optimizer_sketch import (SERVER_OPTIMIZERS, OptimizerFeedback, SparseServerOptimizer,
+                                                 optimizer_model)
 from fedcomp.strategies.part import Outgoing, Part, RoundState
 from fedcomp.strategies.replies import ReplyHistory, RoundReplies
 from fedcomp.strategies.robust_sketch import RobustFeedback, robust_in_sketch_space
@@ -45,6 +47,7 @@ class Aggregation(Part):
 
     def __init__(self) -> None:
         self.feedback: ServerFeedback | None = None  # aggregation 'sketch': built with the model's layout
+        self.optimizer: SparseServerOptimizer | None = None  # FedAdam/FedYogi/FedAdagrad on sparse decoded uploads
         self.accumulator: Accumulator | None = None  # reused across rounds while the layout holds
         self.statistics_layout: fedcomp.Layout | None = None  # set when running statistics travel exact
         self.history = ReplyHistory()  # delta references, used nonces
@@ -56,10 +59,16 @@ class Aggregation(Part):
         self.accumulator = None
         self.exact_statistics(layout)
         host = self.host
+        # the server optimizers' step on updates that arrive in bursts (fedcomp.strategies.optimizer_sketch):
+        # Flower's normalizes a burst of K rounds down to one round's step
+        server_optimizer = type(host.inner) in SERVER_OPTIMIZERS
+        self.optimizer = SparseServerOptimizer.of(host.inner, momentum=False) if server_optimizer else None
         if host.aggregation == "sketch":  # server-side error feedback: tables per segment of this layout
             if robust_in_sketch_space(host.inner):  # the robust aggregate of the clients' tables
                 self.feedback = RobustFeedback(host.upload, layout, host.config.momentum, host.inner,
                                                self.weight_key())
+            elif server_optimizer:  # the optimizer after FetchSGD's unsketch, where the heavy hitters are
+                self.feedback = OptimizerFeedback(host.upload, layout, host.config.momentum, self.optimizer)
             else:
                 self.feedback = ServerFeedback(host.upload, layout, host.config.momentum)
 
@@ -180,6 +189,10 @@ class Aggregation(Part):
         log(INFO, "fedcomp: round %s aggregated %d replies", server_round, state.replies.count_aggregated())
         if type(inner) in _MEAN_IS_THE_MODEL:  # FedAvg of one reply is that reply: skip its copies
             return ArrayRecord(model), metrics
+        if self.optimizer is not None and getattr(getattr(self.host.upload, "reducer", None), "sparse", False):
+            # sparse uploads with residuals: the optimizer's step on the mean update, its second moment
+            # corrected by each coordinate's arrival rate; statistics and counters take the mean
+            return self.as_layout(ArrayRecord(optimizer_model(self.optimizer, self.host.base, model))), metrics
         key = self.weight_key()
         merged = Message(RecordDict({state.arrays_key or "arrays": ArrayRecord(model),
                                      "metrics": MetricRecord({key: total})}),

@@ -41,10 +41,12 @@ where momentum carried the rounds an attacker won into the next ones), coupled d
 client's own 1% of coordinates leaves coordinate-wise medians at zero and makes distances between
 clients meaningless); aligned sketch tables do not.
 
-The other strategies that compare or re-weight each client's update (QFedAvg) or normalize the
-mean per coordinate (FedAdam, FedAdagrad, FedYogi) (``sparse_averse``) get the dense
-``qsgd(bits=4)`` upload in every regime: a per-coordinate optimizer given a few large coordinates
-misbehaves, and FetchSGD would replace their server step altogether.
+Flower's server optimizers (FedAdam, FedYogi, FedAdagrad, exact types) take the averaging
+strategies' uploads, with server momentum 0: the wrapper runs their step itself on the accumulated
+update, its second moment corrected by each coordinate's arrival rate
+(:mod:`fedcomp.strategies.optimizer_sketch`; Flower's rule normalizes a burst of ``K`` rounds down to
+one round's step). QFedAvg (re-weights each client's update by its loss) and subclasses of the
+optimizers (``sparse_averse``) get the dense ``qsgd(bits=4)`` upload in every regime.
 """
 
 from __future__ import annotations
@@ -206,7 +208,7 @@ class CompressionConfig:
 
     def resolve(self, *, partial: bool, numel: int | None = None, sparse_averse: bool = False,
                 statistics: bool = False, robust_sketch: bool = False,
-                robust_momentum: float = ROBUST_SERVER_MOMENTUM) -> "CompressionConfig":
+                robust_momentum: float = ROBUST_SERVER_MOMENTUM, server_optimizer: bool = False) -> "CompressionConfig":
         """This config with ``"auto"`` specs replaced for the regime (module docstring).
 
         ``partial``: not every connected node is sampled each round (cross-device); ``numel``:
@@ -217,7 +219,10 @@ class CompressionConfig:
         (``exact_statistics``): cross-device gets dense ``qsgd(bits=4)`` (module docstring);
         ``robust_sketch``: the inner strategy's aggregate can run over the clients' sketch tables
         (:func:`fedcomp.strategies.robust_sketch.robust_in_sketch_space`); ``robust_momentum``: its
-        server momentum for ``server_momentum='auto'`` (:func:`~fedcomp.strategies.robust_sketch.robust_momentum`).
+        server momentum for ``server_momentum='auto'`` (:func:`~fedcomp.strategies.robust_sketch.robust_momentum`);
+        ``server_optimizer``: Flower's FedAdam, FedYogi or FedAdagrad, whose step the wrapper runs on
+        the accumulated update (:mod:`fedcomp.strategies.optimizer_sketch`): FetchSGD's server
+        momentum stays 0 for them.
         An explicit upload spec in cross-device takes its codec's cross-device defaults where it
         writes none of them (:func:`fedcomp.cross_device_spec`: ``topk()`` keeps a tenth);
         otherwise a config without ``"auto"`` comes back as is.
@@ -240,7 +245,7 @@ class CompressionConfig:
             upload = DENSE_UPLOAD  # cross-device BatchNorm model: dense qsgd (module docstring)
         elif self.upload == AUTO:
             upload = cross_device_upload(numel or PLACEHOLDER_PARAMS) if sketchable else SILO_UPLOAD
-            fetchsgd_auto = sketchable
+            fetchsgd_auto = sketchable and not server_optimizer
         else:
             upload = fedcomp.cross_device_spec(self.upload) if cross_device else self.upload
         codec = fedcomp.build_codec(upload)

@@ -9,6 +9,7 @@ from flwr.app import ArrayRecord
 from flwr.common import log
 
 from fedcomp.strategies.config import AUTO, DENSE_UPLOAD, ROBUST_SERVER_MOMENTUM
+from fedcomp.strategies.optimizer_sketch import SERVER_OPTIMIZERS
 from fedcomp.strategies.robust_sketch import robust_in_sketch_space, robust_momentum
 from fedcomp.tensor_kinds import STATISTIC, split_kinds
 
@@ -30,7 +31,8 @@ def resolve(host: CompressedStrategy, sampled: int, connected: int, arrays: Arra
     host._use(host.requested.resolve(partial=partial, numel=numel, sparse_averse=host.sparse_averse,
                                      statistics=statistics,
                                      robust_sketch=robust_in_sketch_space(host.inner, partial),
-                                     robust_momentum=robust_momentum(host.inner, partial, ROBUST_SERVER_MOMENTUM)))
+                                     robust_momentum=robust_momentum(host.inner, partial, ROBUST_SERVER_MOMENTUM),
+                                     server_optimizer=type(host.inner) in SERVER_OPTIMIZERS))
     if host.requested.auto:
         warn_biased(host)
     log(INFO, "fedcomp: %s (%d of %d nodes per round, %d parameters): upload %s, download %s, aggregation %s",

@@ -34,7 +34,11 @@ SPARSE_AVERSE = (FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan, QFedAvg, Fed
 
 
 def sparse_averse(strategy: Strategy) -> bool:
-    """True for the strategies (or subclasses) of :data:`SPARSE_AVERSE`."""
+    """True for the strategies (or subclasses) of :data:`SPARSE_AVERSE`, except Flower's own FedAdam,
+    FedYogi and FedAdagrad: the wrapper runs their step on accumulated updates
+    (:mod:`fedcomp.strategies.optimizer_sketch`); a subclass may step otherwise and stays averse."""
+    if type(strategy) in (FedAdam, FedAdagrad, FedYogi):
+        return False
     return isinstance(strategy, SPARSE_AVERSE)
 
 

@@ -42,6 +42,7 @@ from fedcomp.strategies.part import Outgoing, Part, Reply, RoundState
 from fedcomp.strategies.replies import MissingCompressionMod, NonFiniteModel, NoUsableReplies
 from fedcomp.strategies.report import Report
 from fedcomp.strategies.stats import RoundStats
+from fedcomp.strategies.optimizer_sketch import SERVER_OPTIMIZERS
 from fedcomp.strategies.robust_sketch import robust_in_sketch_space, robust_momentum
 from fedcomp.strategies.streaming import StreamingGrid, can_stream, sparse_averse
 from fedcomp.tensor_kinds import exact_state_policy
@@ -225,7 +226,8 @@ class CompressedStrategy(Strategy):
         partial = float(getattr(inner, "fraction_train", 1.0)) < 1
         self._use(config.resolve(partial=partial, sparse_averse=self.sparse_averse,
                                  robust_sketch=robust_in_sketch_space(inner, partial),
-                                 robust_momentum=robust_momentum(inner, partial, ROBUST_SERVER_MOMENTUM)))
+                                 robust_momentum=robust_momentum(inner, partial, ROBUST_SERVER_MOMENTUM),
+                                 server_optimizer=type(inner) in SERVER_OPTIMIZERS))
         if not config.auto:
             resolution.warn_biased(self)
         resolution.warn_sparse_averse(self)

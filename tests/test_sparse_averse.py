@@ -1,6 +1,7 @@
 """Robust aggregators (FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan) aggregate in sketch space by
-default; QFedAvg and the per-coordinate optimizers (FedAdam, FedAdagrad, FedYogi) get a dense upload;
-an upload that defeats them is warned about (``strategies/config.py``)."""
+default; Flower's server optimizers (FedAdam, FedAdagrad, FedYogi) get the averaging strategies'
+uploads with the wrapper's step (``optimizer_sketch``); QFedAvg and subclasses of the optimizers get a
+dense upload; an upload that defeats them is warned about (``strategies/config.py``)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,12 @@ from fedcomp.strategies.robust_sketch import RobustFeedback
 from fedcomp.strategies.wrapper import CompressedStrategy
 
 ROBUST = [fs.FedMedian, fs.FedTrimmedAvg, fs.Krum, fs.MultiKrum, fs.Bulyan]
-DENSE_AVERSE = [lambda **kw: fs.QFedAvg(client_learning_rate=0.1, **kw), fs.FedAdam, fs.FedAdagrad, fs.FedYogi]
+class _OwnAdam(fs.FedAdam):
+    """A subclass may step otherwise: it keeps the dense upload."""
+
+
+DENSE_AVERSE = [lambda **kw: fs.QFedAvg(client_learning_rate=0.1, **kw), _OwnAdam]
+OPTIMIZERS = [fs.FedAdam, fs.FedAdagrad, fs.FedYogi]
 
 
 @pytest.mark.parametrize("make", DENSE_AVERSE)
@@ -30,6 +36,21 @@ def test_auto_upload_is_dense_for_per_coordinate_and_loss_weighted_strategies(ma
     assert strategy.sparse_averse
     assert strategy.config.upload == DENSE_UPLOAD and strategy.aggregation == "decode"
     assert strategy.config.momentum == 0.0
+
+
+@pytest.mark.parametrize("make", OPTIMIZERS)
+@pytest.mark.parametrize("fraction", [1.0, 0.1])
+def test_server_optimizers_take_the_averaging_uploads_without_server_momentum(make, fraction):
+    from fedcomp.strategies.optimizer_sketch import OptimizerFeedback
+
+    strategy = CompressedStrategy(make(fraction_train=fraction))
+    assert not strategy.sparse_averse and strategy.config.momentum == 0.0
+    if fraction == 1.0:
+        assert strategy.config.upload == SILO_UPLOAD and strategy.aggregation == "decode"
+    else:
+        assert strategy.config.upload.startswith("sketch(") and strategy.aggregation == "sketch"
+        strategy._aggregate.on_layout(fedcomp.Layout.of(tiny_model()))
+        assert isinstance(strategy._aggregate.feedback, OptimizerFeedback)
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.1])
@@ -80,7 +101,8 @@ class _Records(logging.Handler):
 @pytest.mark.parametrize("make, upload, words", [
     (fs.FedMedian, "topk(ratio=0.01)+qsgd(bits=4)", "sparse uploads"),
     (fs.FedMedian, "sketch(rows=1,cols=100)", None),  # its aggregate over the tables
-    (fs.FedAdam, "sketch(rows=1,cols=100)", "replaces its aggregation"),
+    (_OwnAdam, "sketch(rows=1,cols=100)", "replaces its aggregation"),
+    (fs.FedAdam, "sketch(rows=1,cols=100)", None),  # the wrapper's optimizer step after the unsketch
     (fs.FedMedian, "kbit(bits=4)", None), (fs.FedMedian, DENSE_UPLOAD, None)])
 def test_a_defeating_upload_is_warned_at_construction(make, upload, words):
     handler = _Records()
