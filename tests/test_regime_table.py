@@ -58,23 +58,21 @@ def test_latest_record_wins_and_short_checks_stay_out():
     assert row["wrapped"] == pytest.approx(91)
 
 
-def test_main_resumes_and_reruns_wrapped_runs_at_a_new_commit(tmp_path, monkeypatch):
+def test_main_resumes_and_reruns_wrapped_runs_on_request(tmp_path, monkeypatch):
     calls = []
 
     def fake(cell, wrapped, seed, rounds=None):
         calls.append((cell.strategy, wrapped, seed))
-        return _run(cell.regime, cell.strategy, wrapped, seed, 90, commit=commit)
+        return _run(cell.regime, cell.strategy, wrapped, seed, 90)
 
     monkeypatch.setattr(rt, "run_one", fake)
     out = tmp_path / "t.jsonl"
-    commit = "c1"
-    monkeypatch.setattr(rt, "_commit", lambda: commit)
-    rt.main(["--cells", "silo:digits/mlp:FedAvg", "--seeds", "0", "1", "--out", str(out)])
+    cells = ["--cells", "silo:digits/mlp:FedAvg", "--seeds", "0", "1", "--out", str(out)]
+    rt.main(cells)
     assert len(calls) == 4
-    rt.main(["--cells", "silo:digits/mlp:FedAvg", "--seeds", "0", "1", "--out", str(out)])
-    assert len(calls) == 4  # all there at this commit
-    commit = "c2"
-    rt.main(["--cells", "silo:digits/mlp:FedAvg", "--seeds", "0", "1", "--out", str(out)])
+    rt.main(cells)
+    assert len(calls) == 4  # all there
+    rt.main(cells + ["--rerun"])
     assert calls[4:] == [("FedAvg", True, 0), ("FedAvg", True, 1)]  # baselines kept, wrapped redone
     assert len([json.loads(x) for x in out.read_text().splitlines()]) == 6
 
