@@ -86,11 +86,47 @@ def load(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def recalibrated(task: str, model: str, seed: int, clients: int, alpha: float = 0.5, samples: int = 2000):
+    """``accuracy(state)``: the test accuracy of ``state`` with its BatchNorm running statistics
+    re-estimated on the global weights (a cumulative average over ``samples`` training examples of
+    the first partitions, train-mode forward passes, no gradient), to tell how much of a gap comes
+    from statistics that do not match the weights (the clients' mean after their local steps)."""
+    from fedcomp.simulations import task as tasks
+
+    net = tasks.build_model(model, seed=seed, task=task)
+    xs, n = [], 0
+    for p in range(clients):
+        x, _ = tasks.load_partition(task, p, clients, alpha, seed)
+        xs.append(x)
+        n += len(x)
+        if n >= samples:
+            break
+    x_cal = torch.cat(xs)[:samples]
+    x_test, y_test = tasks.load_test(task, seed, num_partitions=clients, alpha=alpha)
+    norms = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+
+    def accuracy(state: dict) -> float:
+        net.load_state_dict(state)
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None  # cumulative average
+        net.train()
+        with torch.no_grad():
+            for i in range(0, len(x_cal), 256):
+                net(x_cal[i:i + 256])
+        for m in norms:
+            m.momentum = 0.1
+        return tasks.evaluate(net, x_test, y_test, device="cpu")[1]
+
+    return accuracy
+
+
 def run_one(name: str, *, task: str, model: str, rounds: int, clients: int, fraction: float, lr: float | None,
-            seed: int) -> dict:
+            seed: int, recalibrate: int = 0) -> dict:
     from fedcomp.simulations import harness
 
     upload, settings = settings_of(name, numel_of(task, model, seed))
+    recal = recalibrated(task, model, seed, clients) if recalibrate else None
     supports: list[torch.Tensor] = []  # per round: the flat positions of the float entries the step changed
     previous: list[torch.Tensor] = []
 
@@ -99,6 +135,8 @@ def run_one(name: str, *, task: str, model: str, rounds: int, clients: int, frac
         if previous:
             supports.append(torch.nonzero(flat != previous[0]).squeeze(1))
         previous[:] = [flat]
+        if recal is not None and (_round % recalibrate == 0 or _round == rounds):
+            return {"accuracy_recalibrated": recal(state)}
         return {}
 
     t0 = time.perf_counter()
@@ -113,6 +151,7 @@ def run_one(name: str, *, task: str, model: str, rounds: int, clients: int, frac
             "last5": sum(acc[-5:]) / max(1, len(acc[-5:])), "accuracy": acc,
             "up_x": up_dense / up if up else None, "down_x": down_dense / down if down else None,
             "upload_bytes": up, "download_bytes": down, "error": h.error,
+            "recalibrated": {r["round"]: r["accuracy_recalibrated"] for r in h.rows if "accuracy_recalibrated" in r},
             "chain_union": {str(n): chain_union(supports, n) for n in (5, 10, 20)},
             "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -135,7 +174,7 @@ def _mean(xs: list[float]) -> float:
 
 
 def table(records: list[dict], *, task: str, model: str, rounds: int, clients: int, fraction: float,
-          names: list[str] | None = None) -> str:
+          names: list[str] | None = None, reach: float = 0.8) -> str:
     """The Markdown table of the matching records (module docstring)."""
     recs = [r for r in records if (r["task"], r["model"], r["rounds"], r["clients"], r["fraction"])
             == (task, model, rounds, clients, fraction)]
@@ -144,8 +183,8 @@ def table(records: list[dict], *, task: str, model: str, rounds: int, clients: i
     lines = [f"{task}/{model}, {clients} clients x {fraction} per round, {rounds} rounds",
              "",
              "| run | seeds | last-5 acc % | dense % (same seeds) | diff mean | diff min..max | acc r10 | acc r20 "
-             "| up x | down x |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| first round >= {reach * 100:.0f}% | up x | down x |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in order:
         rs = sorted((r for r in recs if r["name"] == name), key=lambda r: r["seed"])
         if not rs:
@@ -160,8 +199,12 @@ def table(records: list[dict], *, task: str, model: str, rounds: int, clients: i
         down = _mean([r["down_x"] for r in rs if r["down_x"]])
         err = " (error)" if any(r["error"] for r in rs) else ""
         seeds = ",".join(str(r["seed"]) for r in rs)
+        first = [next((i + 1 for i, a in enumerate(r["accuracy"]) if a >= reach), None) for r in rs]
+        reached = [f for f in first if f]
+        to_reach = ((f"{_mean(reached):.1f}" if reached else "never")
+                    + ("" if all(first) or not reached else f" ({first.count(None)} never)"))
         lines.append(f"| `{name}`{err} | {seeds} | {_mean([r['last5'] for r in rs]) * 100:.2f} | {base} | {diff} "
-                     f"| {r10:.1f} | {r20:.1f} | {up:.1f} | {down:.1f} |")
+                     f"| {r10:.1f} | {r20:.1f} | {to_reach} | {up:.1f} | {down:.1f} |")
     return "\n".join(lines)
 
 
@@ -180,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=None, help="client learning rate (default: the harness's)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--recalibrate", type=int, default=0, metavar="K",
+                   help="every K rounds also score the model with BatchNorm statistics re-estimated on the "
+                        "global weights (0: off)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -195,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             if rec_key in done:
                 continue
             rec = run_one(name, task=a.task, model=a.model, rounds=a.rounds, clients=a.clients,
-                          fraction=a.fraction, lr=lr, seed=seed)
+                          fraction=a.fraction, lr=lr, seed=seed, recalibrate=a.recalibrate)
             with a.out.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
             print(f"{name} seed {seed}: last5 {rec['last5'] * 100:.2f} up {rec['up_x']:.1f}x down "
