@@ -13,6 +13,8 @@ by its settings:
 
 * ``dense``: FedAvg unwrapped (the baseline every other run is paired with, seed by seed);
 * ``auto``: the wrapper's defaults as a user gets them (``upload='auto'``, ``download='auto'``);
+  ``auto@<tag>`` the same under another name (the defaults at a later commit; a record keeps the
+  specs they resolved to);
 * ``s<share>[-m<rho>][-d<share>][-b<bits>][-q<bits>][-c<cols per param>]``: upload
   ``sketch(rows=1, cols=ceil(c n), ratio=<share>)+qsgd(bits=<q>)`` (n = float parameters;
   ``cross_device_upload``), ``aggregation='sketch'``, server momentum ``rho`` (default 0), coupled
@@ -50,7 +52,7 @@ def settings_of(name: str, numel: int) -> tuple[str, dict]:
 
     if name == "dense":
         return DENSE, {}
-    if name == "auto":
+    if name == "auto" or name.startswith("auto@"):  # auto@<tag>: the defaults again, after they changed
         return "auto", {}
     m = _NAME.match(name)
     if m is None:
@@ -169,6 +171,32 @@ def chain_union(supports: list[torch.Tensor], length: int) -> float | None:
     return sum(ratios) / len(ratios) if ratios else None
 
 
+def recalibration_table(records: list[dict], *, task: str, model: str, rounds: int, clients: int,
+                        fraction: float) -> str:
+    """Accuracy as aggregated / with the statistics re-estimated on the global weights, per run and
+    seed, at the rounds scored (``--recalibrate``); empty when no matching record has them."""
+    recs = [r for r in records if r.get("recalibrated") and (r["task"], r["model"], r["rounds"], r["clients"],
+                                                              r["fraction"]) == (task, model, rounds, clients, fraction)]
+    if not recs:
+        return ""
+    marks = sorted({int(k) for r in recs for k in r["recalibrated"]})
+    lines = ["| run | seed | " + " | ".join(f"round {m}" for m in marks) + " |",
+             "|---|---|" + "---|" * len(marks)]
+    for r in recs:
+        cells = [f"{r['accuracy'][m - 1] * 100:.1f} / {r['recalibrated'][str(m)] * 100:.1f}"
+                 if str(m) in r["recalibrated"] else "" for m in marks]
+        lines.append(f"| `{label(r)}` | {r['seed']} | " + " | ".join(cells) + " |")
+    return "\n".join(["accuracy % as aggregated / with statistics re-estimated on the global weights", "", *lines])
+
+
+def label(rec: dict) -> str:
+    """A record's row: its name, and for ``auto`` what it resolved to (the defaults move with the code)."""
+    if not rec["name"].startswith("auto"):
+        return rec["name"]
+    share = re.search(r"ratio=([0-9.]+)", rec["upload"])
+    return f"{rec['name']} ({rec['upload'].split('(')[0]} {share[1] if share else ''})".replace(" )", ")")
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -176,10 +204,10 @@ def _mean(xs: list[float]) -> float:
 def table(records: list[dict], *, task: str, model: str, rounds: int, clients: int, fraction: float,
           names: list[str] | None = None, reach: float = 0.8) -> str:
     """The Markdown table of the matching records (module docstring)."""
-    recs = [r for r in records if (r["task"], r["model"], r["rounds"], r["clients"], r["fraction"])
-            == (task, model, rounds, clients, fraction)]
+    recs = [dict(r, name=label(r)) for r in records if (r["task"], r["model"], r["rounds"], r["clients"],
+                                                         r["fraction"]) == (task, model, rounds, clients, fraction)]
     dense = {r["seed"]: r for r in recs if r["name"] == "dense"}
-    order = names or list(dict.fromkeys(r["name"] for r in recs))
+    order = list(dict.fromkeys(r["name"] for r in recs if not names or r["name"].split(" ")[0] in names))
     lines = [f"{task}/{model}, {clients} clients x {fraction} per round, {rounds} rounds",
              "",
              "| run | seeds | last-5 acc % | dense % (same seeds) | diff mean | diff min..max | acc r10 | acc r20 "
@@ -249,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     print(table(load(a.out), task=a.task, model=a.model, rounds=a.rounds, clients=a.clients, fraction=a.fraction,
                 names=a.names or None))
+    recal = recalibration_table(load(a.out), task=a.task, model=a.model, rounds=a.rounds, clients=a.clients,
+                                fraction=a.fraction)
+    if recal:
+        print("\n" + recal)
     return 0
 
 
