@@ -34,7 +34,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 
 DENSE = "dense"  # ``upload`` of the baseline: the bare strategy, no wrapper
-DEFAULT_LR = {"digits": 0.3}  # the app's default for digits; other tasks need theirs (``lr=``)
+# the app's default for digits; other tasks need theirs (``lr=``); a (task, model) key wins over the task's
+DEFAULT_LR = {"digits": 0.3, ("stdlib-chars", "char-transformer"): 5.0}
 
 Mod = Callable[[Message, Context, Callable[[Message, Context], Message]], Message]
 
@@ -239,7 +240,7 @@ def run(
 
     _identity()
     tasks.check_task_model(task, model)
-    lr = DEFAULT_LR.get(task, 0.05) if lr is None else lr
+    lr = DEFAULT_LR.get((task, model), DEFAULT_LR.get(task, 0.05)) if lr is None else lr
     if upload != DENSE:
         settings.setdefault("seeded_init", True)
     config = {"upload": upload, "task": task, "model": model, "strategy": strategy if isinstance(strategy, str) else

@@ -35,11 +35,12 @@ def run_one(name: str, wrapped: bool, *, task_name: str, model_name: str, rounds
     settings = {} if error_feedback else {"error_feedback": False}
     h = harness.run((upload or "auto") if wrapped else harness.DENSE, task=task_name, model=model_name,
                     strategy=name, rounds=rounds, clients=clients, fraction=fraction, lr=lr, seed=seed, **settings)
-    rows, up = [], 0
+    rows, up, down = [], 0, 0
     for r in h.rows:
         up += r["upload_bytes"]
+        down += r["download_bytes"]
         rows.append({"round": r["round"], "accuracy": r["accuracy"], "loss": r["loss"], "upload_bytes": up,
-                     "finite": r["finite"]})
+                     "download_bytes": down, "finite": r["finite"]})
     return {"strategy": name, "wrapped": wrapped, "upload": h.upload, "download": h.download,
             "task": task_name, "model": model_name, "rounds": rows, "clients": clients, "fraction": fraction,
             "lr": lr, "seed": seed, "seconds": round(h.seconds, 1), **({"error": h.error} if h.error else {})}
