@@ -15,7 +15,7 @@ from flwr.serverapp import strategy as fs
 
 from conftest import node_context, run_round, tiny_model
 from fedcomp.strategies.config import (DENSE_UPLOAD, ROBUST_SERVER_MOMENTUM, ROBUST_SKETCH_RATIO, SILO_UPLOAD,
-                                       SKETCH_SERVER_MOMENTUM,
+                                       SKETCH_SERVER_MOMENTUM, OPTIMIZER_SKETCH_RATIO,
                                        CompressionConfig)
 from fedcomp.strategies.robust_sketch import RobustFeedback
 from fedcomp.strategies.wrapper import CompressedStrategy
@@ -49,6 +49,7 @@ def test_server_optimizers_take_the_averaging_uploads_without_server_momentum(ma
         assert strategy.config.upload == SILO_UPLOAD and strategy.aggregation == "decode"
     else:
         assert strategy.config.upload.startswith("sketch(") and strategy.aggregation == "sketch"
+        assert f"ratio={OPTIMIZER_SKETCH_RATIO}" in strategy.config.upload
         strategy._aggregate.on_layout(fedcomp.Layout.of(tiny_model()))
         assert isinstance(strategy._aggregate.feedback, OptimizerFeedback)
 
