@@ -27,9 +27,8 @@ a quarter, rescaled and without residual).
 
 Link budgets (``link_profile``, ``round_deadline_s``) and ``delta`` need per-client decoding, so
 with them ``"auto"`` resolves to the cross-silo specs in every regime. Models with running
-statistics (BatchNorm) in cross-device get the dense ``qsgd(bits=4)`` while ``exact_statistics`` is
-on: it beat both the client-residual top-k and the sketch scheme with exact statistics there
-(an explicit ``upload='sketch(...)'`` still gets the statistics exact beside the sketch).
+statistics (BatchNorm) in cross-device get the same sketch with their statistics exact beside it
+(averaged exactly, no momentum; docs: Results, Cross-device).
 
 Robust strategies whose aggregate is translation equivariant (FedMedian, FedTrimmedAvg, Krum,
 MultiKrum, Bulyan: ``robust_sketch``) aggregate in sketch space in every regime
@@ -65,7 +64,7 @@ AGGREGATIONS = ("auto", "decode", "sketch")
 AUTO = "auto"
 SILO_UPLOAD = "topk(ratio=0.02)+qsgd(bits=4)"  # every node every round: client error feedback holds (2%: docs, Results, Regimes)
 SILO_DOWNLOAD = "none()"
-DENSE_UPLOAD = "qsgd(bits=4)"  # sparse-averse strategies, cross-device BatchNorm models: dense, unbiased (module docstring)
+DENSE_UPLOAD = "qsgd(bits=4)"  # sparse-averse strategies: dense, unbiased (module docstring)
 SKETCH_COLS_PER_PARAM = 0.068  # cross-device sketch columns per float parameter (16000 for 234k)
 SKETCH_RATIO = 0.007  # heavy hitters applied per round; the coupled download sends the same share (docstring)
 SKETCH_SERVER_MOMENTUM = 0.5  # FetchSGD's rho for the auto cross-device sketch ('auto'; docs: Results, Cross-device)
@@ -235,7 +234,7 @@ class CompressionConfig:
         budgets = self.link_profile != links.NONE or self.round_deadline_s or self.delta
         statistics_exact = statistics and self.exact_statistics and self.aggregation == AUTO
         sketchable = ((self.aggregation == "sketch" or (partial and self.aggregation == AUTO))
-                      and not budgets and not statistics_exact)
+                      and not budgets)  # BatchNorm statistics travel exact beside the sketch (Aggregation)
         fetchsgd_auto = False  # 'auto' resolved to FetchSGD for an averaging strategy: its server momentum
         robust = (self.upload == AUTO and robust_sketch and self.aggregation in (AUTO, "sketch")
                   and not budgets and not statistics_exact)
@@ -243,8 +242,6 @@ class CompressionConfig:
             upload = cross_device_upload(numel or PLACEHOLDER_PARAMS, ROBUST_SKETCH_RATIO)
         elif self.upload == AUTO and sparse_averse and self.aggregation != "sketch":
             upload = DENSE_UPLOAD
-        elif self.upload == AUTO and partial and statistics_exact and not budgets:
-            upload = DENSE_UPLOAD  # cross-device BatchNorm model: dense qsgd (module docstring)
         elif self.upload == AUTO:
             share = OPTIMIZER_SKETCH_RATIO if server_optimizer else SKETCH_RATIO
             upload = cross_device_upload(numel or PLACEHOLDER_PARAMS, share) if sketchable else SILO_UPLOAD
