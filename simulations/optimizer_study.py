@@ -17,7 +17,8 @@ Schemes (``SCHEMES``; ``{share}`` is the top-k or heavy-hitter share):
 * ``sketch{share}-freq``: FetchSGD (``sketch(rows=1,cols=ceil(0.068 n),ratio=share)+qsgd(bits=4)``,
   server-side error, coupled download) with the optimizer after the unsketch
   (:class:`~fedcomp.strategies.optimizer_sketch.OptimizerFeedback`), server momentum 0;
-  ``-m<rho>``: server momentum ``rho`` (``-m9``: 0.9, ``-m0.5``: 0.5);
+  ``-m<rho>``: server momentum ``rho`` (``-m9``: 0.9, ``-m0.5``: 0.5); ``-d<share>``: the download
+  ``topk(ratio=share)+kbit(bits=4,stochastic=true)`` not coupled (its tier's own error feedback);
 * ``sketch{share}``: FetchSGD as FedAvg would run it (the inner optimizer unused), for reference.
 
     python -m fedcomp.simulations.optimizer_study --regime silo --schemes dense topk0.01 topk0.01-freq \\
@@ -44,7 +45,7 @@ REGIMES = {"silo": {"clients": 10, "fraction": 1.0, "rounds": 30},
            "device": {"clients": 100, "fraction": 0.1, "rounds": 60}}
 LAST = 5  # rounds averaged for a run's accuracy (the common protocol)
 SCHEME = re.compile(r"^(dense|qsgd4|topk(?P<tshare>[0-9.]+)(?P<freq>-freq(?P<nomom>-nomom)?)?"
-                    r"|sketch(?P<sshare>[0-9.]+)(?P<sfreq>-freq)?(?P<m>-m(?P<rho>[0-9.]+))?)$")
+                    r"|sketch(?P<sshare>[0-9.]+)(?P<sfreq>-freq)?(?P<m>-m(?P<rho>[0-9.]+))?(?P<d>-d(?P<dshare>[0-9.]+))?)$")
 
 
 def numel_of(task: str, model: str) -> int:
@@ -60,7 +61,7 @@ def scheme_run(scheme: str, *, strategy: str, task: str, model: str, seed: int, 
     m = SCHEME.match(scheme)
     if m is None:
         raise ValueError(f"unknown scheme {scheme!r}: dense, qsgd4, topk<share>[-freq[-nomom]], "
-                         f"sketch<share>[-freq][-m<rho>]")
+                         f"sketch<share>[-freq][-m<rho>][-d<share>]")
     factory = harness.strategies(clients, fraction)[strategy]
     inner, upload, settings = strategy, DENSE, {}
     if scheme == "qsgd4":
@@ -75,6 +76,9 @@ def scheme_run(scheme: str, *, strategy: str, task: str, model: str, seed: int, 
         settings = {"aggregation": "sketch", "server_momentum": 0.9 if rho == 9 else rho}  # -m9: 0.9
         if m["sfreq"]:
             settings["parts"] = [OptimizerSketchPart()]
+        if m["dshare"]:  # a download of its own share, not coupled: the tier keeps its own error feedback
+            settings.update(download=f"topk(ratio={float(m['dshare'])})+kbit(bits=4,stochastic=true)",
+                            coupled_download=False)
     t0 = time.time()
     h = harness.run(upload, task=task, model=model, strategy=inner, rounds=rounds, clients=clients,
                     fraction=fraction, seed=seed, **settings)
