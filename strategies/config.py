@@ -34,9 +34,10 @@ Robust strategies whose aggregate is translation equivariant (FedMedian, FedTrim
 MultiKrum, Bulyan: ``robust_sketch``) aggregate in sketch space in every regime
 (:mod:`fedcomp.strategies.robust_sketch`): upload ``sketch(rows=1, cols=ceil(0.068 n),
 ratio=0.05)+qsgd(bits=4)``, the strategy's own aggregate over the clients' tables, FetchSGD's
-server step with momentum 0.9 (``server_momentum="auto"``; 0 for the Krum family in cross-device,
-where momentum carried the rounds an attacker won into the next ones), coupled download
-``topk(ratio=0.05)+kbit(bits=4,stochastic=true)``. Sparse updates would defeat them (each
+server step with momentum 0.9 (``server_momentum="auto"``), coupled download
+``topk(ratio=0.05)+kbit(bits=4,stochastic=true)``; in cross-device the averaging strategies' share
+and momentum (their 30x downloads), momentum 0 for the Krum family (momentum carried the rounds an
+attacker won into the next ones). Sparse updates would defeat them (each
 client's own 1% of coordinates leaves coordinate-wise medians at zero and makes distances between
 clients meaningless); aligned sketch tables do not.
 
@@ -69,7 +70,7 @@ SKETCH_COLS_PER_PARAM = 0.068  # cross-device sketch columns per float parameter
 SKETCH_RATIO = 0.007  # heavy hitters applied per round; the coupled download sends the same share (docstring)
 SKETCH_SERVER_MOMENTUM = 0.5  # FetchSGD's rho for the auto cross-device sketch ('auto'; docs: Results, Cross-device)
 OPTIMIZER_SKETCH_RATIO = 0.02  # FedAdam/FedYogi/FedAdagrad in cross-device: smaller shares lost points (docs: Results, Regimes)
-ROBUST_SKETCH_RATIO = 0.05  # robust strategies in sketch space: the heavy hitters' share (docs: Results, Robust)
+ROBUST_SKETCH_RATIO = 0.05  # robust strategies in sketch space, cross-silo: the heavy hitters' share (docs: Results, Robust)
 ROBUST_SERVER_MOMENTUM = 0.9  # their server momentum in sketch space ('auto'; docs: Results, Robust)
 PLACEHOLDER_PARAMS = 234_122  # before the model is known (the project's MLP): only cols depend on it
 
@@ -239,7 +240,7 @@ class CompressionConfig:
         robust = (self.upload == AUTO and robust_sketch and self.aggregation in (AUTO, "sketch")
                   and not budgets and not statistics_exact)
         if robust:  # the strategy's own aggregate over aligned sketch tables, in every regime
-            upload = cross_device_upload(numel or PLACEHOLDER_PARAMS, ROBUST_SKETCH_RATIO)
+            upload = cross_device_upload(numel or PLACEHOLDER_PARAMS, SKETCH_RATIO if partial else ROBUST_SKETCH_RATIO)
         elif self.upload == AUTO and sparse_averse and self.aggregation != "sketch":
             upload = DENSE_UPLOAD
         elif self.upload == AUTO:

@@ -8,7 +8,7 @@ from logging import INFO, WARNING
 from flwr.app import ArrayRecord
 from flwr.common import log
 
-from fedcomp.strategies.config import AUTO, DENSE_UPLOAD, ROBUST_SERVER_MOMENTUM
+from fedcomp.strategies.config import AUTO, DENSE_UPLOAD
 from fedcomp.strategies.optimizer_sketch import SERVER_OPTIMIZERS
 from fedcomp.strategies.robust_sketch import robust_in_sketch_space, robust_momentum
 from fedcomp.tensor_kinds import STATISTIC, split_kinds
@@ -31,7 +31,7 @@ def resolve(host: CompressedStrategy, sampled: int, connected: int, arrays: Arra
     host._use(host.requested.resolve(partial=partial, numel=numel, sparse_averse=host.sparse_averse,
                                      statistics=statistics,
                                      robust_sketch=robust_in_sketch_space(host.inner, partial),
-                                     robust_momentum=robust_momentum(host.inner, partial, ROBUST_SERVER_MOMENTUM),
+                                     robust_momentum=robust_momentum(host.inner, partial),
                                      server_optimizer=type(host.inner) in SERVER_OPTIMIZERS))
     if host.requested.auto:
         warn_biased(host)

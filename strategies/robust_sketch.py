@@ -45,10 +45,15 @@ def robust_in_sketch_space(strategy: Strategy, partial: bool = False) -> bool:
     return isinstance(strategy, SKETCH_ROBUST)
 
 
-def robust_momentum(strategy: Strategy, partial: bool, default: float) -> float:
+def robust_momentum(strategy: Strategy, partial: bool) -> float:
     """FetchSGD's server momentum for a robust strategy in sketch space (``server_momentum='auto'``):
-    0 for the selecting ones (:data:`SELECTING`) with a fraction of the nodes a round, else ``default``."""
-    return 0.0 if partial and isinstance(strategy, SELECTING) else default
+    with a fraction of the nodes a round 0 for the selecting ones (:data:`SELECTING`) and the
+    averaging strategies' cross-device momentum for the others, else the robust one (0.9)."""
+    from fedcomp.strategies.config import ROBUST_SERVER_MOMENTUM, SKETCH_SERVER_MOMENTUM
+
+    if not partial:
+        return ROBUST_SERVER_MOMENTUM
+    return 0.0 if isinstance(strategy, SELECTING) else SKETCH_SERVER_MOMENTUM
 
 
 class RobustFeedback(ServerFeedback):

@@ -35,7 +35,7 @@ from fedcomp.strategies.aggregation import Aggregation
 from fedcomp.strategies.broadcasts import Broadcasts
 from fedcomp.strategies.budgets import Budgets
 from fedcomp.strategies.checks import ReplyChecks
-from fedcomp.strategies.config import ROBUST_SERVER_MOMENTUM, CompressionConfig
+from fedcomp.strategies.config import CompressionConfig
 from fedcomp.strategies.evaluation import Evaluation
 from fedcomp.strategies.failures import Failures
 from fedcomp.strategies.part import Outgoing, Part, Reply, RoundState
@@ -226,7 +226,7 @@ class CompressedStrategy(Strategy):
         partial = float(getattr(inner, "fraction_train", 1.0)) < 1
         self._use(config.resolve(partial=partial, sparse_averse=self.sparse_averse,
                                  robust_sketch=robust_in_sketch_space(inner, partial),
-                                 robust_momentum=robust_momentum(inner, partial, ROBUST_SERVER_MOMENTUM),
+                                 robust_momentum=robust_momentum(inner, partial),
                                  server_optimizer=type(inner) in SERVER_OPTIMIZERS))
         if not config.auto:
             resolution.warn_biased(self)

@@ -15,7 +15,7 @@ from flwr.serverapp import strategy as fs
 
 from conftest import node_context, run_round, tiny_model
 from fedcomp.strategies.config import (DENSE_UPLOAD, ROBUST_SERVER_MOMENTUM, ROBUST_SKETCH_RATIO, SILO_UPLOAD,
-                                       SKETCH_SERVER_MOMENTUM, OPTIMIZER_SKETCH_RATIO,
+                                       SKETCH_SERVER_MOMENTUM, OPTIMIZER_SKETCH_RATIO, SKETCH_RATIO,
                                        CompressionConfig)
 from fedcomp.strategies.robust_sketch import RobustFeedback
 from fedcomp.strategies.wrapper import CompressedStrategy
@@ -59,12 +59,14 @@ def test_server_optimizers_take_the_averaging_uploads_without_server_momentum(ma
 def test_robust_strategies_aggregate_in_sketch_space(make, fraction):
     strategy = CompressedStrategy(make(fraction_train=fraction))
     assert strategy.sparse_averse and strategy.aggregation == "sketch"
-    assert strategy.config.upload.startswith("sketch(") and f"ratio={ROBUST_SKETCH_RATIO}" in strategy.config.upload
-    assert strategy.config.coupled_download and f"ratio={ROBUST_SKETCH_RATIO}" in strategy.config.download
+    share = ROBUST_SKETCH_RATIO if fraction == 1.0 else SKETCH_RATIO  # cross-device: the download's 30x
+    assert strategy.config.upload.startswith("sketch(") and f"ratio={share}" in strategy.config.upload
+    assert strategy.config.coupled_download and f"ratio={share}" in strategy.config.download
     # selecting strategies with a fraction of the nodes a round: no server momentum (a round an
     # attacker won would be carried on; docs: Results, Robust strategies under attack)
     selecting = make in (fs.Krum, fs.MultiKrum, fs.Bulyan) and fraction < 1
-    assert strategy.config.momentum == (0.0 if selecting else ROBUST_SERVER_MOMENTUM)
+    momentum = ROBUST_SERVER_MOMENTUM if fraction == 1.0 else 0.0 if selecting else SKETCH_SERVER_MOMENTUM
+    assert strategy.config.momentum == momentum
     strategy._aggregate.on_layout(fedcomp.Layout.of(tiny_model()))
     assert isinstance(strategy._aggregate.feedback, RobustFeedback)
 
