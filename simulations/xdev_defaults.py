@@ -25,7 +25,11 @@ Each run appends one JSON line to ``--out`` (default ``results/xdev-defaults/run
 already there (same name, task, model, rounds, clients, fraction, lr, seed) are skipped. At the end
 the table of every matching record is printed in Markdown: mean accuracy of the last 5 rounds,
 the paired difference to ``dense`` (mean, min..max), accuracy at round 10 and 20 (the slow start),
-upload and download x (dense bytes / compressed bytes as the harness counts them).
+the first round at 80%, upload and download x (dense bytes / compressed bytes as the harness
+counts them). Each record also holds ``chain_union`` (how many distinct coordinates 5, 10 and 20
+consecutive steps change, over the entries they hold: whether merging a node's chain of steps
+would shrink its download) and, with ``--recalibrate K``, the accuracy every K rounds with the
+BatchNorm statistics re-estimated on the global weights (printed as a second table).
 """
 
 from __future__ import annotations
@@ -175,8 +179,9 @@ def recalibration_table(records: list[dict], *, task: str, model: str, rounds: i
                         fraction: float) -> str:
     """Accuracy as aggregated / with the statistics re-estimated on the global weights, per run and
     seed, at the rounds scored (``--recalibrate``); empty when no matching record has them."""
-    recs = [r for r in records if r.get("recalibrated") and (r["task"], r["model"], r["rounds"], r["clients"],
-                                                              r["fraction"]) == (task, model, rounds, clients, fraction)]
+    where = (task, model, rounds, clients, fraction)
+    recs = [r for r in records if r.get("recalibrated")
+            and (r["task"], r["model"], r["rounds"], r["clients"], r["fraction"]) == where]
     if not recs:
         return ""
     marks = sorted({int(k) for r in recs for k in r["recalibrated"]})
