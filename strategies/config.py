@@ -42,8 +42,8 @@ client's own 1% of coordinates leaves coordinate-wise medians at zero and makes 
 clients meaningless); aligned sketch tables do not.
 
 Flower's server optimizers (FedAdam, FedYogi, FedAdagrad, exact types) take the averaging
-strategies' uploads (in cross-device the sketch with a 0.02 share: 0.007 lost 11 points), with server
-momentum 0: the wrapper runs their step itself on the accumulated
+strategies' uploads (in cross-device FedAdam gets the sketch with a 0.02 share, FedYogi and FedAdagrad
+``qsgd(bits=4)``), with server momentum 0: the wrapper runs their step itself on the accumulated
 update, its second moment corrected by each coordinate's arrival rate
 (:mod:`fedcomp.strategies.optimizer_sketch`; Flower's rule normalizes a burst of ``K`` rounds down to
 one round's step). QFedAvg (re-weights each client's update by its loss) and subclasses of the
@@ -69,6 +69,7 @@ DENSE_UPLOAD = "qsgd(bits=4)"  # sparse-averse strategies: dense, unbiased (modu
 SKETCH_COLS_PER_PARAM = 0.068  # cross-device sketch columns per float parameter (16000 for 234k)
 SKETCH_RATIO = 0.007  # heavy hitters applied per round; the coupled download sends the same share (docstring)
 SKETCH_SERVER_MOMENTUM = 0.5  # FetchSGD's rho for the auto cross-device sketch ('auto'; docs: Results, Cross-device)
+DENSE_CROSS_DEVICE_OPTIMIZERS = ("yogi", "adagrad")  # the sketch cost them 2.8 points cross-device (docs: Results)
 OPTIMIZER_SKETCH_RATIO = 0.02  # FedAdam/FedYogi/FedAdagrad in cross-device: smaller shares lost points (docs: Results, Regimes)
 ROBUST_SKETCH_RATIO = 0.05  # robust strategies in sketch space, cross-silo: the heavy hitters' share (docs: Results, Robust)
 ROBUST_SERVER_MOMENTUM = 0.9  # their server momentum in sketch space ('auto'; docs: Results, Robust)
@@ -210,21 +211,22 @@ class CompressionConfig:
 
     def resolve(self, *, partial: bool, numel: int | None = None, sparse_averse: bool = False,
                 statistics: bool = False, robust_sketch: bool = False,
-                robust_momentum: float = ROBUST_SERVER_MOMENTUM, server_optimizer: bool = False) -> "CompressionConfig":
+                robust_momentum: float = ROBUST_SERVER_MOMENTUM, server_optimizer: str | None = None) -> "CompressionConfig":
         """This config with ``"auto"`` specs replaced for the regime (module docstring).
 
         ``partial``: not every connected node is sampled each round (cross-device); ``numel``:
         the model's float parameters (sets the sketch's cols; None: a placeholder until the
         model is known); ``sparse_averse``: the inner strategy compares or re-weights each client's
         update or normalizes it per coordinate (robust aggregators, QFedAvg, FedAdam...);
-        ``statistics``: the model has running statistics (BatchNorm) that must travel exact
-        (``exact_statistics``): cross-device gets dense ``qsgd(bits=4)`` (module docstring);
+        ``statistics``: the model has running statistics (BatchNorm); with ``exact_statistics`` they
+        travel exact beside the upload (the aggregation's rules), whatever it resolves to;
         ``robust_sketch``: the inner strategy's aggregate can run over the clients' sketch tables
         (:func:`fedcomp.strategies.robust_sketch.robust_in_sketch_space`); ``robust_momentum``: its
         server momentum for ``server_momentum='auto'`` (:func:`~fedcomp.strategies.robust_sketch.robust_momentum`);
-        ``server_optimizer``: Flower's FedAdam, FedYogi or FedAdagrad, whose step the wrapper runs on
-        the accumulated update (:mod:`fedcomp.strategies.optimizer_sketch`): FetchSGD's server
-        momentum stays 0 for them.
+        ``server_optimizer``: ``'adam'``, ``'yogi'`` or ``'adagrad'`` for Flower's FedAdam, FedYogi or
+        FedAdagrad, whose step the wrapper runs on the accumulated update
+        (:mod:`fedcomp.strategies.optimizer_sketch`): FetchSGD's server momentum stays 0 for them, and
+        in cross-device FedYogi and FedAdagrad keep ``qsgd(bits=4)``.
         An explicit upload spec in cross-device takes its codec's cross-device defaults where it
         writes none of them (:func:`fedcomp.cross_device_spec`: ``topk()`` keeps a tenth);
         otherwise a config without ``"auto"`` comes back as is.
@@ -233,15 +235,15 @@ class CompressionConfig:
         if not self.auto and not cross_device:
             return self if self.server_momentum != AUTO else dataclasses.replace(self, server_momentum=0.0)
         budgets = self.link_profile != links.NONE or self.round_deadline_s or self.delta
-        statistics_exact = statistics and self.exact_statistics and self.aggregation == AUTO
         sketchable = ((self.aggregation == "sketch" or (partial and self.aggregation == AUTO))
                       and not budgets)  # BatchNorm statistics travel exact beside the sketch (Aggregation)
         fetchsgd_auto = False  # 'auto' resolved to FetchSGD for an averaging strategy: its server momentum
         robust = (self.upload == AUTO and robust_sketch and self.aggregation in (AUTO, "sketch")
-                  and not budgets and not statistics_exact)
+                  and not budgets)  # statistics, as for the averaging strategies, exact beside the sketch
         if robust:  # the strategy's own aggregate over aligned sketch tables, in every regime
             upload = cross_device_upload(numel or PLACEHOLDER_PARAMS, SKETCH_RATIO if partial else ROBUST_SKETCH_RATIO)
-        elif self.upload == AUTO and sparse_averse and self.aggregation != "sketch":
+        elif self.upload == AUTO and self.aggregation != "sketch" and (
+                sparse_averse or (partial and server_optimizer in DENSE_CROSS_DEVICE_OPTIMIZERS)):
             upload = DENSE_UPLOAD
         elif self.upload == AUTO:
             share = OPTIMIZER_SKETCH_RATIO if server_optimizer else SKETCH_RATIO

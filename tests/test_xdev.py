@@ -258,6 +258,18 @@ def test_auto_keeps_batchnorm_statistics_out_of_the_sketch(exact):
         assert strategy.aggregation == "sketch" and "running_var: none()" not in strategy.upload.spec
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_robust_strategies_sketch_a_batchnorm_model_with_its_statistics_exact(fraction):
+    from flwr.serverapp.strategy import FedMedian
+
+    model = {**tiny_model(rows=64, cols=60), "bn.running_mean": torch.zeros(64), "bn.running_var": torch.ones(64),
+             "bn.num_batches_tracked": torch.tensor(0)}
+    strategy = CompressedStrategy(FedMedian(fraction_train=fraction, min_train_nodes=2, min_available_nodes=2))
+    new, _, _ = run_round(strategy, model, _contexts(4), 1)
+    assert strategy.aggregation == "sketch" and "running_var: none(); sketch(" in strategy.upload.spec
+    assert bool((new["bn.running_var"] > 0).all()) and bool(torch.isfinite(new["w"]).all())
+
+
 def test_a_dense_tier_keeps_its_latest_step_so_evaluate_and_train_encode_once():
     from flwr.app import ConfigRecord
 
