@@ -206,6 +206,17 @@ class ServerFeedback:
         deltas (integers rounded). Resets the round's sum."""
         return self._step(None, 0, 0)[0]
 
+    def _broadcast(self, broadcast, out: dict, nonce: int, round: int) -> tuple[dict, bytes]:
+        """The step ``out`` as ``broadcast`` encodes it, and its payload (:class:`BroadcastFailed`,
+        carrying ``out``, when the codec cannot encode it: the state has moved already)."""
+        try:
+            encoded = broadcast.encode(out, nonce=nonce, round=round)
+            return broadcast.decode(encoded.payload, self.layout, round=round), encoded.payload
+        except Exception as exc:  # noqa: BLE001 - the step is computed (and the state moved): hand it on
+            raise BroadcastFailed(
+                f"the download codec {broadcast.spec!r} could not encode the server's step "
+                f"({type(exc).__name__}: {exc})", out) from exc
+
     def step_broadcast(
         self, broadcast: Codec, *, nonce: int = 0, round: int = 0
     ) -> tuple[dict[str, torch.Tensor], bytes]:
@@ -263,13 +274,7 @@ class ServerFeedback:
         self.count, self.weight = 0, 0.0
         if broadcast is None:
             return out, None
-        try:
-            encoded = broadcast.encode(out, nonce=nonce, round=round)
-            sent = broadcast.decode(encoded.payload, self.layout, round=round)
-        except Exception as exc:  # noqa: BLE001 - the step is computed (and the state moved): hand it on
-            raise BroadcastFailed(
-                f"the download codec {broadcast.spec!r} could not encode the server's step "
-                f"({type(exc).__name__}: {exc})", out) from exc
+        sent, payload = self._broadcast(broadcast, out, nonce, round)
         for j, (seg, group) in enumerate(self._segments):  # the broadcast's loss stays in the error,
             # and so does what the model's dtype could not hold (fp16 rounding, values past its range):
             # sketched from where it is nonzero (the kept coordinates, mostly), tensor by tensor,
@@ -284,7 +289,7 @@ class ServerFeedback:
                 offset += spec.numel
                 del diff
             self._error[j].add_(reducer.sketch_entries(torch.cat(positions), torch.cat(values), seg.numel))
-        return sent, encoded.payload
+        return sent, payload
 
 
 def _to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

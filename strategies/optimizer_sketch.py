@@ -45,7 +45,7 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedYogi, Strate
 
 from fedcomp.errors import SpecError
 from fedcomp.layout import Layout
-from fedcomp.server_feedback import BroadcastFailed, ServerFeedback, _to_dtype
+from fedcomp.server_feedback import ServerFeedback, _to_dtype
 from fedcomp.strategies.part import Part
 from fedcomp.tensor_kinds import WEIGHT, split_kinds
 
@@ -247,13 +247,7 @@ class OptimizerFeedback(ServerFeedback):
                for t in self.layout.tensors}
         if broadcast is None:
             return out, None
-        try:
-            encoded = broadcast.encode(out, nonce=nonce, round=round)
-            sent = broadcast.decode(encoded.payload, self.layout, round=round)
-        except Exception as exc:  # noqa: BLE001 - the step is computed (and the state moved): hand it on
-            raise BroadcastFailed(
-                f"the download codec {broadcast.spec!r} could not encode the server's step "
-                f"({type(exc).__name__}: {exc})", out) from exc
+        sent, payload = self._broadcast(broadcast, out, nonce, round)
         reducer = self.reducer
         for j, (seg, group) in enumerate(self._segments):  # the download's loss, back in the table's units
             positions, values, offset = [], [], 0
@@ -265,7 +259,7 @@ class OptimizerFeedback(ServerFeedback):
                 values.append(diff[nz].float())
                 offset += spec.numel
             self._error[j].add_(reducer.sketch_entries(torch.cat(positions), torch.cat(values), seg.numel))
-        return sent, encoded.payload
+        return sent, payload
 
 
 class OptimizerSketchPart(Part):
