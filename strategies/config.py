@@ -35,7 +35,8 @@ MultiKrum, Bulyan: ``robust_sketch``) aggregate in sketch space in every regime
 (:mod:`fedcomp.strategies.robust_sketch`): upload ``sketch(rows=1, cols=ceil(0.068 n),
 ratio=0.05)+qsgd(bits=4)``, the strategy's own aggregate over the clients' tables, FetchSGD's
 server step with momentum 0.9 (``server_momentum="auto"``), coupled download
-``topk(ratio=0.05)+kbit(bits=4,stochastic=true)``; in cross-device the averaging strategies' share
+``topk(ratio=0.05)+kbit(bits=4,stochastic=true)`` (the Krum family: a 0.1 share, one client's table
+a round); in cross-device the averaging strategies' share
 and momentum (their 30x downloads), momentum 0 for the Krum family (momentum carried the rounds an
 attacker won into the next ones). Sparse updates would defeat them (each
 client's own 1% of coordinates leaves coordinate-wise medians at zero and makes distances between
@@ -72,6 +73,7 @@ SKETCH_SERVER_MOMENTUM = 0.5  # FetchSGD's rho for the auto cross-device sketch 
 DENSE_CROSS_DEVICE_OPTIMIZERS = ("yogi", "adagrad")  # the sketch cost them 2.8 points cross-device (docs: Results)
 OPTIMIZER_SKETCH_RATIO = 0.02  # FedAdam/FedYogi/FedAdagrad in cross-device: smaller shares lost points (docs: Results, Regimes)
 ROBUST_SKETCH_RATIO = 0.05  # robust strategies in sketch space, cross-silo: the heavy hitters' share (docs: Results, Robust)
+SELECTING_SKETCH_RATIO = 0.1  # the Krum family's in cross-silo: one client's table a round (docs: Results, Robust)
 ROBUST_SERVER_MOMENTUM = 0.9  # their server momentum in sketch space ('auto'; docs: Results, Robust)
 PLACEHOLDER_PARAMS = 234_122  # before the model is known (the project's MLP): only cols depend on it
 
@@ -211,7 +213,8 @@ class CompressionConfig:
 
     def resolve(self, *, partial: bool, numel: int | None = None, sparse_averse: bool = False,
                 statistics: bool = False, robust_sketch: bool = False,
-                robust_momentum: float = ROBUST_SERVER_MOMENTUM, server_optimizer: str | None = None) -> "CompressionConfig":
+                robust_momentum: float = ROBUST_SERVER_MOMENTUM, robust_share: float = ROBUST_SKETCH_RATIO,
+                server_optimizer: str | None = None) -> "CompressionConfig":
         """This config with ``"auto"`` specs replaced for the regime (module docstring).
 
         ``partial``: not every connected node is sampled each round (cross-device); ``numel``:
@@ -222,7 +225,8 @@ class CompressionConfig:
         travel exact beside the upload (the aggregation's rules), whatever it resolves to;
         ``robust_sketch``: the inner strategy's aggregate can run over the clients' sketch tables
         (:func:`fedcomp.strategies.robust_sketch.robust_in_sketch_space`); ``robust_momentum``: its
-        server momentum for ``server_momentum='auto'`` (:func:`~fedcomp.strategies.robust_sketch.robust_momentum`);
+        server momentum for ``server_momentum='auto'`` (:func:`~fedcomp.strategies.robust_sketch.robust_momentum`); ``robust_share``: its heavy
+        hitters' share (:func:`~fedcomp.strategies.robust_sketch.robust_share`);
         ``server_optimizer``: ``'adam'``, ``'yogi'`` or ``'adagrad'`` for Flower's FedAdam, FedYogi or
         FedAdagrad, whose step the wrapper runs on the accumulated update
         (:mod:`fedcomp.strategies.optimizer_sketch`): FetchSGD's server momentum stays 0 for them, and
@@ -241,7 +245,7 @@ class CompressionConfig:
         robust = (self.upload == AUTO and robust_sketch and self.aggregation in (AUTO, "sketch")
                   and not budgets)  # statistics, as for the averaging strategies, exact beside the sketch
         if robust:  # the strategy's own aggregate over aligned sketch tables, in every regime
-            upload = cross_device_upload(numel or PLACEHOLDER_PARAMS, SKETCH_RATIO if partial else ROBUST_SKETCH_RATIO)
+            upload = cross_device_upload(numel or PLACEHOLDER_PARAMS, robust_share)
         elif self.upload == AUTO and self.aggregation != "sketch" and (
                 sparse_averse or (partial and server_optimizer in DENSE_CROSS_DEVICE_OPTIMIZERS)):
             upload = DENSE_UPLOAD

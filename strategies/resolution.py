@@ -10,7 +10,7 @@ from flwr.common import log
 
 from fedcomp.strategies.config import AUTO, DENSE_UPLOAD
 from fedcomp.strategies.optimizer_sketch import SERVER_OPTIMIZERS, variant_of
-from fedcomp.strategies.robust_sketch import robust_in_sketch_space, robust_momentum
+from fedcomp.strategies.robust_sketch import robust_in_sketch_space, robust_momentum, robust_share
 from fedcomp.tensor_kinds import STATISTIC, split_kinds
 
 
@@ -32,6 +32,7 @@ def resolve(host: CompressedStrategy, sampled: int, connected: int, arrays: Arra
                                      statistics=statistics,
                                      robust_sketch=robust_in_sketch_space(host.inner, partial),
                                      robust_momentum=robust_momentum(host.inner, partial),
+                                     robust_share=robust_share(host.inner, partial),
                                      server_optimizer=variant_of(host.inner) if type(host.inner) in SERVER_OPTIMIZERS else None))
     if host.requested.auto:
         warn_biased(host)

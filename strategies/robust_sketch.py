@@ -45,6 +45,17 @@ def robust_in_sketch_space(strategy: Strategy, partial: bool = False) -> bool:
     return isinstance(strategy, SKETCH_ROBUST)
 
 
+def robust_share(strategy: Strategy, partial: bool) -> float:
+    """The heavy hitters' share of a robust strategy's sketch (``upload='auto'``): with a fraction of
+    the nodes a round the averaging strategies' (their 30x downloads), else 0.1 for the selecting
+    ones (:data:`SELECTING`: one client's table a round) and 0.05 for the others."""
+    from fedcomp.strategies.config import ROBUST_SKETCH_RATIO, SELECTING_SKETCH_RATIO, SKETCH_RATIO
+
+    if partial:
+        return SKETCH_RATIO
+    return SELECTING_SKETCH_RATIO if isinstance(strategy, SELECTING) else ROBUST_SKETCH_RATIO
+
+
 def robust_momentum(strategy: Strategy, partial: bool) -> float:
     """FetchSGD's server momentum for a robust strategy in sketch space (``server_momentum='auto'``):
     with a fraction of the nodes a round 0 for the selecting ones (:data:`SELECTING`) and the

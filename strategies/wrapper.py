@@ -43,7 +43,7 @@ from fedcomp.strategies.replies import MissingCompressionMod, NonFiniteModel, No
 from fedcomp.strategies.report import Report
 from fedcomp.strategies.stats import RoundStats
 from fedcomp.strategies.optimizer_sketch import SERVER_OPTIMIZERS, variant_of
-from fedcomp.strategies.robust_sketch import robust_in_sketch_space, robust_momentum
+from fedcomp.strategies.robust_sketch import robust_in_sketch_space, robust_momentum, robust_share
 from fedcomp.strategies.streaming import StreamingGrid, can_stream, sparse_averse
 from fedcomp.tensor_kinds import exact_state_policy
 
@@ -227,6 +227,7 @@ class CompressedStrategy(Strategy):
         self._use(config.resolve(partial=partial, sparse_averse=self.sparse_averse,
                                  robust_sketch=robust_in_sketch_space(inner, partial),
                                  robust_momentum=robust_momentum(inner, partial),
+                                 robust_share=robust_share(inner, partial),
                                  server_optimizer=variant_of(inner) if type(inner) in SERVER_OPTIMIZERS else None))
         if not config.auto:
             resolution.warn_biased(self)

@@ -15,7 +15,7 @@ from flwr.serverapp import strategy as fs
 
 from conftest import node_context, run_round, tiny_model
 from fedcomp.strategies.config import (DENSE_UPLOAD, ROBUST_SERVER_MOMENTUM, ROBUST_SKETCH_RATIO, SILO_UPLOAD,
-                                       SKETCH_SERVER_MOMENTUM, OPTIMIZER_SKETCH_RATIO, SKETCH_RATIO,
+                                       SKETCH_SERVER_MOMENTUM, OPTIMIZER_SKETCH_RATIO, SKETCH_RATIO, SELECTING_SKETCH_RATIO,
                                        CompressionConfig)
 from fedcomp.strategies.robust_sketch import RobustFeedback
 from fedcomp.strategies.wrapper import CompressedStrategy
@@ -61,12 +61,12 @@ def test_server_optimizers_take_the_averaging_uploads_without_server_momentum(ma
 def test_robust_strategies_aggregate_in_sketch_space(make, fraction):
     strategy = CompressedStrategy(make(fraction_train=fraction))
     assert strategy.sparse_averse and strategy.aggregation == "sketch"
-    share = ROBUST_SKETCH_RATIO if fraction == 1.0 else SKETCH_RATIO  # cross-device: the download's 30x
+    selecting = make in (fs.Krum, fs.MultiKrum, fs.Bulyan)  # one client's table a round
+    share = (SELECTING_SKETCH_RATIO if selecting else ROBUST_SKETCH_RATIO) if fraction == 1.0 else SKETCH_RATIO
     assert strategy.config.upload.startswith("sketch(") and f"ratio={share}" in strategy.config.upload
     assert strategy.config.coupled_download and f"ratio={share}" in strategy.config.download
     # selecting strategies with a fraction of the nodes a round: no server momentum (a round an
     # attacker won would be carried on; docs: Results, Robust strategies under attack)
-    selecting = make in (fs.Krum, fs.MultiKrum, fs.Bulyan) and fraction < 1
     momentum = ROBUST_SERVER_MOMENTUM if fraction == 1.0 else 0.0 if selecting else SKETCH_SERVER_MOMENTUM
     assert strategy.config.momentum == momentum
     strategy._aggregate.on_layout(fedcomp.Layout.of(tiny_model()))
