@@ -70,7 +70,7 @@ DENSE_UPLOAD = "qsgd(bits=4)"  # sparse-averse strategies: dense, unbiased (modu
 SKETCH_COLS_PER_PARAM = 0.068  # cross-device sketch columns per float parameter (16000 for 234k)
 SKETCH_RATIO = 0.007  # heavy hitters applied per round; the coupled download sends the same share (docstring)
 SKETCH_SERVER_MOMENTUM = 0.5  # FetchSGD's rho for the auto cross-device sketch ('auto'; docs: Results, Cross-device)
-DENSE_CROSS_DEVICE_OPTIMIZERS = ("yogi", "adagrad")  # the sketch cost them 2.8 points cross-device (docs: Results)
+DENSE_CROSS_DEVICE_OPTIMIZERS = ("yogi", "adagrad")  # the sketch cost them accuracy cross-device (docs: Results, Server optimizers)
 OPTIMIZER_SKETCH_RATIO = 0.02  # FedAdam/FedYogi/FedAdagrad in cross-device: smaller shares lost points (docs: Results, Regimes)
 ROBUST_SKETCH_RATIO = 0.05  # robust strategies in sketch space, cross-silo: the heavy hitters' share (docs: Results, Robust)
 SELECTING_SKETCH_RATIO = 0.1  # the Krum family's in cross-silo: one client's table a round (docs: Results, Robust)
