@@ -212,7 +212,7 @@ class CompressionConfig:
                 and fedcomp.cross_device_spec(self.upload) != self.upload)
 
     def resolve(self, *, partial: bool, numel: int | None = None, sparse_averse: bool = False,
-                statistics: bool = False, robust_sketch: bool = False,
+                robust_sketch: bool = False,
                 robust_momentum: float = ROBUST_SERVER_MOMENTUM, robust_share: float = ROBUST_SKETCH_RATIO,
                 server_optimizer: str | None = None) -> "CompressionConfig":
         """This config with ``"auto"`` specs replaced for the regime (module docstring).
@@ -221,8 +221,6 @@ class CompressionConfig:
         the model's float parameters (sets the sketch's cols; None: a placeholder until the
         model is known); ``sparse_averse``: the inner strategy compares or re-weights each client's
         update or normalizes it per coordinate (robust aggregators, QFedAvg, FedAdam...);
-        ``statistics``: the model has running statistics (BatchNorm); with ``exact_statistics`` they
-        travel exact beside the upload (the aggregation's rules), whatever it resolves to;
         ``robust_sketch``: the inner strategy's aggregate can run over the clients' sketch tables
         (:func:`fedcomp.strategies.robust_sketch.robust_in_sketch_space`); ``robust_momentum``: its
         server momentum for ``server_momentum='auto'`` (:func:`~fedcomp.strategies.robust_sketch.robust_momentum`); ``robust_share``: its heavy

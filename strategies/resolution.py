@@ -11,7 +11,6 @@ from flwr.common import log
 from fedcomp.strategies.config import AUTO, DENSE_UPLOAD
 from fedcomp.strategies.optimizer_sketch import SERVER_OPTIMIZERS, variant_of
 from fedcomp.strategies.robust_sketch import robust_in_sketch_space, robust_momentum, robust_share
-from fedcomp.tensor_kinds import STATISTIC, split_kinds
 
 
 XDEV_SHARE = 0.1  # a sparsifier's share from which client residuals hold in cross-device (docs: Results)
@@ -27,9 +26,7 @@ def resolve(host: CompressedStrategy, sampled: int, connected: int, arrays: Arra
     state = arrays.to_torch_state_dict()
     numel = sum(int(v.numel()) for v in state.values() if v.is_floating_point())
     partial = sampled < connected
-    statistics = bool(split_kinds(state)[STATISTIC])
     host._use(host.requested.resolve(partial=partial, numel=numel, sparse_averse=host.sparse_averse,
-                                     statistics=statistics,
                                      robust_sketch=robust_in_sketch_space(host.inner, partial),
                                      robust_momentum=robust_momentum(host.inner, partial),
                                      robust_share=robust_share(host.inner, partial),

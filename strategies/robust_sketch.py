@@ -28,6 +28,8 @@ from flwr.serverapp.strategy import Bulyan, FedMedian, FedTrimmedAvg, Krum, Mult
 from fedcomp.errors import DecodeError
 from fedcomp.layout import Layout
 from fedcomp.server_feedback import ServerFeedback
+from fedcomp.strategies.config import (ROBUST_SERVER_MOMENTUM, ROBUST_SKETCH_RATIO, SELECTING_SKETCH_RATIO,
+                                       SKETCH_RATIO, SKETCH_SERVER_MOMENTUM)
 
 # aggregate_train of these is translation equivariant and reads nothing but the replies' arrays and
 # weights: it can aggregate the clients' update tables directly
@@ -49,8 +51,6 @@ def robust_share(strategy: Strategy, partial: bool) -> float:
     """The heavy hitters' share of a robust strategy's sketch (``upload='auto'``): with a fraction of
     the nodes a round the averaging strategies' (their 30x downloads), else 0.1 for the selecting
     ones (:data:`SELECTING`: one client's table a round) and 0.05 for the others."""
-    from fedcomp.strategies.config import ROBUST_SKETCH_RATIO, SELECTING_SKETCH_RATIO, SKETCH_RATIO
-
     if partial:
         return SKETCH_RATIO
     return SELECTING_SKETCH_RATIO if isinstance(strategy, SELECTING) else ROBUST_SKETCH_RATIO
@@ -60,8 +60,6 @@ def robust_momentum(strategy: Strategy, partial: bool) -> float:
     """FetchSGD's server momentum for a robust strategy in sketch space (``server_momentum='auto'``):
     with a fraction of the nodes a round 0 for the selecting ones (:data:`SELECTING`) and the
     averaging strategies' cross-device momentum for the others, else the robust one (0.9)."""
-    from fedcomp.strategies.config import ROBUST_SERVER_MOMENTUM, SKETCH_SERVER_MOMENTUM
-
     if not partial:
         return ROBUST_SERVER_MOMENTUM
     return 0.0 if isinstance(strategy, SELECTING) else SKETCH_SERVER_MOMENTUM

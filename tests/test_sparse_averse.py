@@ -47,7 +47,7 @@ def test_server_optimizers_take_the_averaging_uploads_without_server_momentum(ma
     assert not strategy.sparse_averse and strategy.config.momentum == 0.0
     if fraction == 1.0:
         assert strategy.config.upload == SILO_UPLOAD and strategy.aggregation == "decode"
-    elif make is not fs.FedAdam:  # the sketch cost FedYogi and FedAdagrad 2.8 points cross-device
+    elif make is not fs.FedAdam:  # the sketch cost FedYogi and FedAdagrad accuracy (docs: Results)
         assert strategy.config.upload == DENSE_UPLOAD and strategy.aggregation == "decode"
     else:
         assert strategy.config.upload.startswith("sketch(") and strategy.aggregation == "sketch"
