@@ -31,7 +31,7 @@ RUNS = {
     "quickstart": ("flwr federation simulation-config --num-supernodes 3",
                    'flwr run . --stream --run-config "num-server-rounds=4"'),
     "cross-device": ("flwr federation simulation-config --num-supernodes 10",
-                     'flwr run . --stream --run-config "num-server-rounds=6"'),
+                     'flwr run . --stream --run-config "num-server-rounds=10"'),
 }
 DEPLOYMENT = "python run_local.py --supernodes 2 --rounds 3"
 COMMANDS = [*(c for pair in RUNS.values() for c in pair), DEPLOYMENT, *(f"cd examples/{app}" for app in [*RUNS, "deployment"])]
@@ -120,7 +120,7 @@ def test_cross_device(simulation_superlink):
     out = _flwr_run(env, EXAMPLES / "cross-device", run)
     accuracy, ratio = _summary(out, "cross-device")
     assert ratio > 20, ratio
-    assert accuracy > 0.15, accuracy  # it learns (chance: 0.1); 6 rounds of 2 nodes
+    assert accuracy > 0.15, accuracy  # it learns (chance: 0.1); 10 rounds of 2 nodes
     # the seeded start holds: every broadcast is a chain, no node asked for a resync
     m = re.search(r"broadcasts: (\d+) chains, (\d+) full models \| resyncs: (\d+)", out)
     assert m and int(m.group(1)) > 0 and m.group(2) == "0" and m.group(3) == "0", out[-3000:]
