@@ -22,19 +22,19 @@ import torch
 
 
 def sketch_step(reducer, momentum: torch.Tensor, error: torch.Tensor, summed: torch.Tensor, rho: float,
-                numel: int) -> torch.Tensor:
+                numel: int, k: int | None = None) -> torch.Tensor:
     """One FetchSGD step for one segment's sketch, updating ``momentum`` and ``error`` in place:
     ``S_u <- rho S_u + S``; ``S_e <- S_e + S_u``; ``delta = heavy hitters of S_e`` (``numel``
-    values, dense); momentum and error are zeroed at every cell ``delta`` hashes to. Returns the
-    flat ``delta``."""
+    values, dense; ``k`` of them, None: the codec's ``ratio``, as ``reducer.kept(numel)``);
+    momentum and error are zeroed at every cell ``delta`` hashes to. Returns the flat ``delta``."""
     momentum.mul_(rho).add_(summed)
     error.add_(momentum)
-    fast = reducer.top_dense(error, numel, load=True)  # the compiled passes (CPU), or None
+    fast = reducer.top_dense(error, numel, k, load=True)  # the compiled passes (CPU), or None
     if fast is not None:
         positions, delta = fast
         reducer.zero_cells(positions, delta, momentum, error)
         return delta
-    delta = reducer.heavy_hitters(error, numel)
+    delta = reducer.heavy_hitters(error, numel, k)
     applied = reducer.sketch(delta) != 0
     momentum[applied] = 0
     error[applied] = 0

@@ -31,6 +31,26 @@ Measured in ``fedcomp.simulations.xdev_study`` (100 clients, 10% per round, digi
 stochastic=true)`` coupled: 114x fewer upload and 30x fewer download bytes than dense FedAvg at
 +0.42 points (4 seeds); unchanged accuracy with 10 clients all participating.
 
+Warm-up (``warmup=Warmup(...)``, off by default). Early in a cross-device run the clients'
+updates are spread over many coordinates: a step of the codec's ``ratio`` heavy hitters, each the
+estimate of a one-row sketch shared by every element of its cell, moves the model far less than
+the dense mean, and accuracy lags dense for the first rounds (issue 36). :class:`Warmup` has two
+knobs, each falling geometrically to its resting value over its rounds (DGC's sparsity warm-up
+schedule, :func:`fedcomp.codecs.dgc.warmup_fraction`):
+
+* ``scale``: the round's mean table is multiplied by a factor falling from ``scale`` to 1 (a
+  server step size: the same heavy hitters, larger steps). It costs no byte: the step keeps the
+  codec's count, so the coupled ``topk`` download is unchanged.
+* ``share``: the heavy hitters' share of the step falls from ``share`` to the codec's ``ratio``.
+  The coupled download must carry the larger steps: ``dgc(ratio=<the sketch's>, momentum=0,
+  warmup=<rounds>, start=<share>, sample=1)+kbit(bits=4, stochastic=true)`` keeps exactly the same
+  count for the same ``round`` (a ``topk(ratio=...)`` download would drop the extra coordinates
+  back into the error table). Every node's first contact downloads the chain of steps since round
+  0, so these bytes are paid by nearly every node.
+
+The round is the one the step is for, as the coupled download's codec sees it (the wrapper passes
+the server round + 1); 0 (unknown) is no warm-up. Measured: the docs' results page "Slow start".
+
 Memory: two tables per segment (momentum and error), ``8 * rows * cols`` bytes, and with one row the
 cached element count per cell (``4 * cols``); nothing per client.
 """
@@ -39,12 +59,14 @@ from __future__ import annotations
 
 import math
 import numbers
+from builtins import round as round_
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fedcomp.codec import Codec
+from fedcomp.codecs.dgc import warmup_fraction
 from fedcomp.aggregate import check_weight
 from fedcomp.errors import DecodeError, FedcompError, SpecError
 from fedcomp.fetchsgd import sketch_step
@@ -83,14 +105,20 @@ class ServerFeedback:
         The model's layout.
     momentum : float (default: 0.0)
         FetchSGD's rho, momentum in sketch space, in [0, 1).
+    warmup : Warmup or None (default: None)
+        The first rounds' step size and heavy hitters' share (:class:`Warmup`; module
+        docstring); None: the codec's ``ratio`` and the round's mean every round. Settable later
+        (``feedback.warmup = ...``), checked the same way.
     """
 
-    def __init__(self, codec: Codec, layout: Layout, momentum: float = 0.0) -> None:
+    def __init__(self, codec: Codec, layout: Layout, momentum: float = 0.0, *,
+                 warmup: Warmup | None = None) -> None:
         if not 0 <= momentum < 1:
             raise SpecError(f"momentum={momentum!r} is invalid: it must be in [0, 1)")
         self.codec = codec
         self.layout = layout
         self.momentum = float(momentum)
+        self.warmup = warmup
         self._rule, self._sketch_codec, self._sketch_layout, self._others = _split(codec, layout)
         self._segments = self._sketch_codec.segments(self._sketch_layout)
         # entries averaged exactly, in layout order: every tensor outside the sketched segments
@@ -105,6 +133,36 @@ class ServerFeedback:
     @property
     def reducer(self):
         return self._sketch_codec.reducer
+
+    @property
+    def warmup(self) -> Warmup | None:
+        """The first rounds' step size and share (:class:`Warmup`), or None (off)."""
+        return self._warmup
+
+    @warmup.setter
+    def warmup(self, value: Warmup | None) -> None:
+        if value is not None and not isinstance(value, Warmup):
+            raise SpecError(f"warmup={value!r} is invalid: None (off) or a Warmup(share=..., scale=..., rounds=...)")
+        self._warmup = value
+
+    def share(self, round: int) -> float:
+        """The heavy hitters' share of the step for ``round`` (1: the first; 0: unknown, no
+        warm-up): the codec's ``ratio``, or the warm-up's (:meth:`Warmup.share_at`)."""
+        ratio = self.reducer.ratio
+        return ratio if self._warmup is None else self._warmup.share_at(ratio, round)
+
+    def scale(self, round: int) -> float:
+        """The factor on the round's mean table for ``round``: 1, or the warm-up's
+        (:meth:`Warmup.scale_at`)."""
+        return 1.0 if self._warmup is None else self._warmup.scale_at(round)
+
+    def kept(self, round: int, numel: int) -> int | None:
+        """Heavy hitters applied in a segment of ``numel`` elements for ``round``: None where the
+        codec's ratio holds (the reducer's own count), else ceil(share * numel), in [1, numel]."""
+        share = self.share(round)
+        if share == self.reducer.ratio:
+            return None
+        return min(numel, max(1, math.ceil(round_(share * numel, 6)))) if numel else 0
 
     @property
     def nbytes(self) -> int:
@@ -200,11 +258,12 @@ class ServerFeedback:
         self._sum = None
         self.count, self.weight = 0, 0.0
 
-    def step(self) -> dict[str, torch.Tensor]:
+    def step(self, *, round: int = 0) -> dict[str, torch.Tensor]:
         """The update to apply this round (dense tensors, zero where nothing is applied) from the
         weighted mean of the round's tables; exact entries get the weighted mean of the clients'
-        deltas (integers rounded). Resets the round's sum."""
-        return self._step(None, 0, 0)[0]
+        deltas (integers rounded). Resets the round's sum. ``round``: the round the step is for
+        (the warm-up's; 0: unknown, the codec's ratio)."""
+        return self._step(None, 0, round)[0]
 
     def _broadcast(self, broadcast, out: dict, nonce: int, round: int) -> tuple[dict, bytes]:
         """The step ``out`` as ``broadcast`` encodes it, and its payload (:class:`BroadcastFailed`,
@@ -251,13 +310,18 @@ class ServerFeedback:
         # a round without uploads still applies what the error and momentum hold
         if self._sum is not None and self.weight > 0:
             sums = [s.div_(self.weight) for s in self._sum]  # in place: the round's sums end here
+            factor = self.scale(round)
+            if factor != 1:  # the warm-up's step size: the sketched tables, not the exact entries
+                for s in sums[:-1]:
+                    s.mul_(factor)
         else:
             sums = [torch.zeros(e.numel(), dtype=torch.float64) for e in self._error]
             sums.append(torch.zeros(sum(t.numel for t in self._exact), dtype=torch.float64))
         deltas, out = [], {}  # every tensor is set below: the sketched from their segment's delta (a
         # view where the dtype is fp32), the others from the exact mean (no dense zeros made first)
         for j, ((seg, group), s_j) in enumerate(zip(self._segments, sums)):
-            delta = sketch_step(reducer, self._velocity[j], self._error[j], s_j.float(), self.momentum, seg.numel)
+            delta = sketch_step(reducer, self._velocity[j], self._error[j], s_j.float(), self.momentum, seg.numel,
+                                self.kept(round, seg.numel))
             deltas.append(delta)
             offset = 0
             for i in group:
@@ -290,6 +354,57 @@ class ServerFeedback:
                 del diff
             self._error[j].add_(reducer.sketch_entries(torch.cat(positions), torch.cat(values), seg.numel))
         return sent, payload
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """The first rounds of :class:`ServerFeedback` (module docstring): larger steps and/or more
+    heavy hitters, each falling geometrically to its resting value (DGC's schedule,
+    :func:`fedcomp.codecs.dgc.warmup_fraction`) over its rounds; SpecError naming a bad value.
+
+    ``scale``: factor on the round's mean table in round 1, falling to 1 over ``scale_rounds``
+    rounds (default ``rounds``); >= 1 (1: off). ``share``: heavy hitters' share of the step in
+    round 1, falling to the codec's ``ratio`` over ``rounds`` rounds; None: off (a share at or
+    below the ratio is the ratio). ``rounds``: an int >= 0.
+    """
+
+    share: float | None = None
+    scale: float = 1.0
+    rounds: int = 0
+    scale_rounds: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.share is not None and not (_real(self.share) and 0 < self.share <= 1):
+            raise SpecError(f"warmup share={self.share!r} is invalid: None (off) or a share in (0, 1]")
+        if not (_real(self.scale) and 1 <= self.scale <= MAX_WARMUP_SCALE):
+            raise SpecError(f"warmup scale={self.scale!r} is invalid: a factor in [1, {MAX_WARMUP_SCALE:g}] "
+                            f"(1: off)")
+        for name in ("rounds", "scale_rounds"):
+            value = getattr(self, name)
+            if (value is not None or name == "rounds") and not (
+                    isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0):
+                raise SpecError(f"warmup {name}={value!r} is invalid: a number of rounds, an int >= 0"
+                                + (" (None: rounds)" if name == "scale_rounds" else ""))
+
+    def share_at(self, ratio: float, round: int) -> float:
+        """The heavy hitters' share of the step for ``round``: ``share * (ratio / share) **
+        ((round - 1) / rounds)`` for rounds 1..``rounds``, floored at ``ratio``; ``ratio`` after
+        them, for round 0 (unknown) and without a share. DGC's schedule, so a ``dgc(ratio=ratio,
+        warmup=rounds, start=share)`` download keeps the same count for the same round."""
+        return ratio if self.share is None else warmup_fraction(ratio, self.rounds, round, self.share)
+
+    def scale_at(self, round: int) -> float:
+        """The factor on the round's mean table for ``round``: ``scale`` in round 1, falling
+        geometrically to 1 in round ``scale_rounds + 1``; 1 after them and for round 0."""
+        rounds = self.rounds if self.scale_rounds is None else self.scale_rounds
+        return warmup_fraction(1.0, rounds, round, float(self.scale))
+
+
+MAX_WARMUP_SCALE = 100.0  # a larger first step than this is a typo, not a warm-up
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
