@@ -43,15 +43,17 @@ from fedcomp.server_feedback import Warmup
 from fedcomp.simulations import xdev_defaults as xd
 
 OUT = Path(__file__).resolve().parent.parent / "results" / "slow-start" / "runs.jsonl"
-_KNOB = re.compile(r"-(?P<kind>[wlM])(?P<value>[0-9.]+)x(?P<rounds>\d+)")
+_KNOB = re.compile(r"-(?P<kind>[wlMa])(?P<value>[0-9.]+)x(?P<rounds>\d+)")
 
 
 def split_name(name: str) -> tuple[str, Warmup | None, tuple[float, int] | None]:
     """(the xdev_defaults run name, the :class:`~fedcomp.server_feedback.Warmup` or None, the
-    momentum warm-up (rho, rounds) or None) of a run name: knobs ``-w<share>x<R>`` (heavy hitters'
+    screening knobs of this study alone or None) of a run name: knobs ``-w<share>x<R>`` (heavy hitters'
     share from ``share`` down to the codec's ratio over R rounds), ``-l<scale>x<R>`` (the round's
-    mean table times a factor from ``scale`` down to 1 over R rounds), ``-M<rho>x<R>`` (server
-    momentum ``rho`` for the steps of rounds 1..R, a screening knob of this study alone)."""
+    mean table times a factor from ``scale`` down to 1 over R rounds); screening knobs of this
+    study alone: ``-M<rho>x<R>`` (server momentum ``rho`` for the steps of rounds 1..R),
+    ``-a<scale>x<R>`` (the applied heavy hitters, not the mean table, times a factor from
+    ``scale`` down to 1 over R rounds: the error table keeps its scale)."""
     knobs = {m["kind"]: (float(m["value"]), int(m["rounds"])) for m in _KNOB.finditer(name)}
     base = _KNOB.sub("", name)
     warmup = None
@@ -59,32 +61,43 @@ def split_name(name: str) -> tuple[str, Warmup | None, tuple[float, int] | None]
         share, rounds = knobs.get("w", (None, 0))
         scale, scale_rounds = knobs.get("l", (1.0, None))
         warmup = Warmup(share=share, scale=scale, rounds=rounds, scale_rounds=scale_rounds)
-    return base, warmup, knobs.get("M")
+    return base, warmup, {k: v for k, v in knobs.items() if k in "Ma"} or None
 
 
 def settings_of(name: str, numel: int) -> tuple[str, dict, Warmup | None, tuple[float, int] | None]:
-    """(upload, wrapper settings, warm-up, momentum warm-up) of a run name; ValueError for a bad name."""
-    base, warmup, momentum = split_name(name)
+    """(upload, wrapper settings, warm-up, screening knobs) of a run name; ValueError for a bad name."""
+    base, warmup, knobs = split_name(name)
     upload, settings = xd.settings_of(base, numel)
-    if (warmup is not None or momentum is not None) and settings.get("aggregation") != "sketch":
+    if (warmup is not None or knobs) and settings.get("aggregation") != "sketch":
         raise ValueError(f"run name {name!r} is invalid: a warm-up (-w, -l, -M) needs a sketch run (s<share>...)")
     if warmup is not None and warmup.share is not None:  # the download carries the larger steps
         share = re.search(r"ratio=([0-9.]+)", upload)[1]
         bits = re.search(r"kbit\(bits=(\d+)", settings["download"])[1]
         settings["download"] = (f"dgc(ratio={share},momentum=0.0,warmup={warmup.rounds},start={warmup.share},"
                                 f"sample=1.0)+kbit(bits={bits},stochastic=true)")
-    return upload, settings, warmup, momentum
+    return upload, settings, warmup, knobs
 
 
 @contextlib.contextmanager
-def server_warmup(warmup: Warmup | None, momentum: tuple[float, int] | None = None):
+def server_warmup(warmup: Warmup | None, knobs: dict | None = None):
     """While open, the ServerFeedback the wrapper builds (it has no warm-up setting) gets
-    ``warmup``, and with ``momentum`` (rho, R) the server momentum rho for the steps of rounds 1..R."""
-    if warmup is None and momentum is None:
+    ``warmup``, and the study's screening ``knobs`` (:func:`split_name`)."""
+    if warmup is None and not knobs:
         yield
         return
+    from fedcomp import server_feedback
+    from fedcomp.codecs.dgc import warmup_fraction
+    from fedcomp.fetchsgd import sketch_step
     from fedcomp.server_feedback import ServerFeedback
     from fedcomp.strategies import aggregation
+
+    knobs = knobs or {}
+    momentum = knobs.get("M")
+    factor = [1.0]
+
+    def scaled_step(*args, **kwargs):
+        delta = sketch_step(*args, **kwargs)
+        return delta.mul_(factor[0]) if factor[0] != 1 else delta
 
     class WarmFeedback(ServerFeedback):
         def __init__(self, *args, **kwargs):
@@ -94,22 +107,27 @@ def server_warmup(warmup: Warmup | None, momentum: tuple[float, int] | None = No
         def _step(self, broadcast, nonce, round):
             if momentum is not None:
                 self.momentum = momentum[0] if 1 <= round <= momentum[1] else self._rho
+            if "a" in knobs:
+                factor[0] = warmup_fraction(1.0, knobs["a"][1], round, knobs["a"][0])
             return super()._step(broadcast, nonce, round)
 
     aggregation.ServerFeedback = WarmFeedback
+    if "a" in knobs:
+        server_feedback.sketch_step = scaled_step
     try:
         yield
     finally:
         aggregation.ServerFeedback = ServerFeedback
+        server_feedback.sketch_step = sketch_step
 
 
 def run_one(name: str, *, task: str, model: str, rounds: int, clients: int, fraction: float, lr: float | None,
             seed: int) -> dict:
     from fedcomp.simulations import harness
 
-    upload, settings, warmup, momentum = settings_of(name, xd.numel_of(task, model, seed))
+    upload, settings, warmup, knobs = settings_of(name, xd.numel_of(task, model, seed))
     t0 = time.perf_counter()
-    with server_warmup(warmup, momentum):
+    with server_warmup(warmup, knobs):
         h = harness.run(upload, task=task, model=model, strategy="FedAvg", rounds=rounds, clients=clients,
                         fraction=fraction, seed=seed, lr=lr, **settings)
     acc = [r["accuracy"] for r in h.rows]
@@ -117,7 +135,7 @@ def run_one(name: str, *, task: str, model: str, rounds: int, clients: int, frac
     down, down_dense = sum(r["download_bytes"] for r in h.rows), sum(r["download_bytes_dense"] for r in h.rows)
     return {"name": name, "task": task, "model": model, "rounds": rounds, "clients": clients, "fraction": fraction,
             "lr": h.config["lr"], "seed": seed, "upload": h.upload, "download": h.download,
-            "aggregation": h.aggregation, "settings": settings, "warmup": dataclasses.asdict(warmup) if warmup else None, "momentum_warmup": momentum,
+            "aggregation": h.aggregation, "settings": settings, "warmup": dataclasses.asdict(warmup) if warmup else None, "knobs": knobs,
             "last5": sum(acc[-5:]) / max(1, len(acc[-5:])), "accuracy": acc,
             "up_x": up_dense / up if up else None, "down_x": down_dense / down if down else None,
             "upload_bytes": up, "download_bytes": down, "error": h.error,

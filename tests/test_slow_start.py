@@ -208,7 +208,7 @@ def test_study_names():
     assert split_name("s0.007-m0.5-w0.05x10") == ("s0.007-m0.5", Warmup(share=0.05, rounds=10), None)
     assert split_name("s0.007-m0.5") == ("s0.007-m0.5", None, None)
     assert split_name("s0.007-m0.5-w0.03x10-l8x20-M0.9x5") == (
-        "s0.007-m0.5", Warmup(share=0.03, scale=8.0, rounds=10, scale_rounds=20), (0.9, 5))
+        "s0.007-m0.5", Warmup(share=0.03, scale=8.0, rounds=10, scale_rounds=20), {"M": (0.9, 5)})
     upload, settings, warmup, _ = settings_of("s0.007-m0.5-w0.05x10", 10_000)
     assert warmup == Warmup(share=0.05, rounds=10) and settings["coupled_download"]
     assert settings["server_momentum"] == 0.5
