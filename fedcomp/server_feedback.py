@@ -40,7 +40,11 @@ schedule, :func:`fedcomp.codecs.dgc.warmup_fraction`):
 
 * ``scale``: the round's mean table is multiplied by a factor falling from ``scale`` to 1 (a
   server step size: the same heavy hitters, larger steps). It costs no byte: the step keeps the
-  codec's count, so the coupled ``topk`` download is unchanged.
+  codec's count, so the coupled ``topk`` download is unchanged. As the factor falls, the momentum
+  and error tables are multiplied by its fall too (``rescale``, the default): what waits in them
+  is applied at the current step size, not at the one it arrived with (without it, the early
+  rounds' scaled mass kept arriving for tens of rounds and cost a model with BatchNorm points at
+  the end). Scaling the applied heavy hitters instead (the error table at scale 1) diverged.
 * ``share``: the heavy hitters' share of the step falls from ``share`` to the codec's ``ratio``.
   The coupled download must carry the larger steps: ``dgc(ratio=<the sketch's>, momentum=0,
   warmup=<rounds>, start=<share>, sample=1)+kbit(bits=4, stochastic=true)`` keeps exactly the same
@@ -119,6 +123,7 @@ class ServerFeedback:
         self.layout = layout
         self.momentum = float(momentum)
         self.warmup = warmup
+        self._table_scale = 1.0  # the warm-up's scale the momentum and error tables are in
         self._rule, self._sketch_codec, self._sketch_layout, self._others = _split(codec, layout)
         self._segments = self._sketch_codec.segments(self._sketch_layout)
         # entries averaged exactly, in layout order: every tensor outside the sketched segments
@@ -310,13 +315,17 @@ class ServerFeedback:
         # a round without uploads still applies what the error and momentum hold
         if self._sum is not None and self.weight > 0:
             sums = [s.div_(self.weight) for s in self._sum]  # in place: the round's sums end here
-            factor = self.scale(round)
-            if factor != 1:  # the warm-up's step size: the sketched tables, not the exact entries
-                for s in sums[:-1]:
-                    s.mul_(factor)
         else:
             sums = [torch.zeros(e.numel(), dtype=torch.float64) for e in self._error]
             sums.append(torch.zeros(sum(t.numel for t in self._exact), dtype=torch.float64))
+        factor = self.scale(round)
+        if factor != 1:  # the warm-up's step size: the sketched tables, not the exact entries
+            for s in sums[:-1]:
+                s.mul_(factor)
+        if factor != self._table_scale and self._warmup is not None and self._warmup.rescale:
+            for t in (*self._velocity, *self._error):  # what waits in them: at this round's scale
+                t.mul_(factor / self._table_scale)
+        self._table_scale = factor
         deltas, out = [], {}  # every tensor is set below: the sketched from their segment's delta (a
         # view where the dtype is fp32), the others from the exact mean (no dense zeros made first)
         for j, ((seg, group), s_j) in enumerate(zip(self._segments, sums)):
@@ -365,13 +374,16 @@ class Warmup:
     ``scale``: factor on the round's mean table in round 1, falling to 1 over ``scale_rounds``
     rounds (default ``rounds``); >= 1 (1: off). ``share``: heavy hitters' share of the step in
     round 1, falling to the codec's ``ratio`` over ``rounds`` rounds; None: off (a share at or
-    below the ratio is the ratio). ``rounds``: an int >= 0.
+    below the ratio is the ratio). ``rounds``: an int >= 0. ``rescale``: as the factor falls, the
+    momentum and error tables fall with it (module docstring); False: they keep the scale their
+    contents arrived with.
     """
 
     share: float | None = None
     scale: float = 1.0
     rounds: int = 0
     scale_rounds: int | None = None
+    rescale: bool = True
 
     def __post_init__(self) -> None:
         if self.share is not None and not (_real(self.share) and 0 < self.share <= 1):
@@ -379,6 +391,8 @@ class Warmup:
         if not (_real(self.scale) and 1 <= self.scale <= MAX_WARMUP_SCALE):
             raise SpecError(f"warmup scale={self.scale!r} is invalid: a factor in [1, {MAX_WARMUP_SCALE:g}] "
                             f"(1: off)")
+        if not isinstance(self.rescale, bool):
+            raise SpecError(f"warmup rescale={self.rescale!r} is invalid: True or False")
         for name in ("rounds", "scale_rounds"):
             value = getattr(self, name)
             if (value is not None or name == "rounds") and not (

@@ -14,10 +14,11 @@ start), so a larger share's bytes are paid by nearly every node: the download ra
 harness's count over the whole run.
 
 A run is named as in :mod:`fedcomp.simulations.xdev_defaults` (``dense``, ``s<share>[-m<rho>]...``)
-with optional warm-up knobs (:func:`split_name`): ``-l<scale>x<R>`` a server step size falling
-from ``scale`` to 1, ``-w<share>x<R>`` the heavy hitters' share falling from ``share`` to the
-codec's ratio (with the dgc download above), ``-M<rho>x<R>`` a larger momentum early; e.g.
-``s0.007-m0.5-l8x20``. The wrapper has no warm-up setting: the study hands ``warmup=`` to the
+with optional warm-up knobs (:func:`split_name`): ``-L<scale>x<R>`` a server step size falling
+from ``scale`` to 1 (``-l``: without the tables falling with it), ``-w<share>x<R>`` the heavy
+hitters' share falling from ``share`` to the codec's ratio (with the dgc download above),
+``-M<rho>x<R>`` a larger momentum early, ``-a<scale>x<R>`` the applied step scaled; e.g.
+``s0.007-m0.5-L8x20``. The wrapper has no warm-up setting: the study hands ``warmup=`` to the
 ``ServerFeedback`` the wrapper constructs (:func:`server_warmup`, for the run only).
 
 Each run appends one JSON line to ``--out`` (default ``results/slow-start/runs.jsonl``; runs
@@ -43,24 +44,27 @@ from fedcomp.server_feedback import Warmup
 from fedcomp.simulations import xdev_defaults as xd
 
 OUT = Path(__file__).resolve().parent.parent / "results" / "slow-start" / "runs.jsonl"
-_KNOB = re.compile(r"-(?P<kind>[wlMa])(?P<value>[0-9.]+)x(?P<rounds>\d+)")
+_KNOB = re.compile(r"-(?P<kind>[wlLMa])(?P<value>[0-9.]+)x(?P<rounds>\d+)")
 
 
 def split_name(name: str) -> tuple[str, Warmup | None, tuple[float, int] | None]:
     """(the xdev_defaults run name, the :class:`~fedcomp.server_feedback.Warmup` or None, the
     screening knobs of this study alone or None) of a run name: knobs ``-w<share>x<R>`` (heavy hitters'
-    share from ``share`` down to the codec's ratio over R rounds), ``-l<scale>x<R>`` (the round's
-    mean table times a factor from ``scale`` down to 1 over R rounds); screening knobs of this
+    share from ``share`` down to the codec's ratio over R rounds), ``-L<scale>x<R>`` (the round's
+    mean table times a factor from ``scale`` down to 1 over R rounds, the tables falling with it),
+    ``-l<scale>x<R>`` (the same without the tables' fall: ``rescale=False``); screening knobs of this
     study alone: ``-M<rho>x<R>`` (server momentum ``rho`` for the steps of rounds 1..R),
     ``-a<scale>x<R>`` (the applied heavy hitters, not the mean table, times a factor from
     ``scale`` down to 1 over R rounds: the error table keeps its scale)."""
     knobs = {m["kind"]: (float(m["value"]), int(m["rounds"])) for m in _KNOB.finditer(name)}
     base = _KNOB.sub("", name)
     warmup = None
-    if "w" in knobs or "l" in knobs:
+    if "l" in knobs and "L" in knobs:
+        raise ValueError(f"run name {name!r} is invalid: -l and -L are two kinds of the same step size; one of them")
+    if knobs.keys() & set("wlL"):
         share, rounds = knobs.get("w", (None, 0))
-        scale, scale_rounds = knobs.get("l", (1.0, None))
-        warmup = Warmup(share=share, scale=scale, rounds=rounds, scale_rounds=scale_rounds)
+        scale, scale_rounds = knobs.get("L", knobs.get("l", (1.0, None)))
+        warmup = Warmup(share=share, scale=scale, rounds=rounds, scale_rounds=scale_rounds, rescale="l" not in knobs)
     return base, warmup, {k: v for k, v in knobs.items() if k in "Ma"} or None
 
 
@@ -69,7 +73,7 @@ def settings_of(name: str, numel: int) -> tuple[str, dict, Warmup | None, tuple[
     base, warmup, knobs = split_name(name)
     upload, settings = xd.settings_of(base, numel)
     if (warmup is not None or knobs) and settings.get("aggregation") != "sketch":
-        raise ValueError(f"run name {name!r} is invalid: a warm-up (-w, -l, -M) needs a sketch run (s<share>...)")
+        raise ValueError(f"run name {name!r} is invalid: a warm-up (-w, -l, -L, -M, -a) needs a sketch run (s<share>...)")
     if warmup is not None and warmup.share is not None:  # the download carries the larger steps
         share = re.search(r"ratio=([0-9.]+)", upload)[1]
         bits = re.search(r"kbit\(bits=(\d+)", settings["download"])[1]

@@ -158,7 +158,7 @@ def test_scaled_step_is_the_step_of_the_scaled_mean():
     sending ``u`` with scale c is the step of clients sending ``c u``; exact entries are not scaled."""
     codec = fedcomp.build_codec(SKETCH)
     layout = fedcomp.Layout.of(_model())
-    warm = ServerFeedback(codec, layout, momentum=0.5, warmup=Warmup(scale=4.0, rounds=2))
+    warm = ServerFeedback(codec, layout, momentum=0.5, warmup=Warmup(scale=4.0, rounds=2, rescale=False))
     ref = ServerFeedback(codec, layout, momentum=0.5)
     for t in (1, 2, 3):
         factor = warm.scale(t)
@@ -170,6 +170,25 @@ def test_scaled_step_is_the_step_of_the_scaled_mean():
         got, want = warm.step(round=t), ref.step(round=t)
         assert all(torch.allclose(got[k].float(), want[k].float(), rtol=1e-5, atol=1e-6) for k in want)
     assert warm.scale(1) == 4.0 and warm.scale(3) == 1.0
+
+
+@pytest.mark.parametrize("rescale", [True, False])
+def test_tables_fall_with_the_scale(rescale):
+    """With ``rescale`` what waits in the tables is applied at the current scale: after the
+    warm-up the steps are the unscaled run's; without it, they keep the scale it arrived with."""
+    codec = fedcomp.build_codec(SKETCH)
+    layout = fedcomp.Layout.of(_model())
+    warm = ServerFeedback(codec, layout, momentum=0.5, warmup=Warmup(scale=4.0, rounds=2, rescale=rescale))
+    ref = ServerFeedback(codec, layout, momentum=0.5)
+    for fb in (warm, ref):
+        _feed(codec, fb, 1)
+    first, want = warm.step(round=1), ref.step(round=1)
+    assert all(torch.allclose(first[k].float(), 4 * want[k].float(), rtol=1e-6) for k in ("w", "b"))
+    for t in (3, 4):  # past the warm-up (round 2 skipped: the tables' scale is tracked, not assumed)
+        got, want = warm.step(round=t), ref.step(round=t)
+        assert _nonzero(want) > 0
+        assert all(torch.allclose(got[k].float(), (1 if rescale else 4) * want[k].float(), rtol=1e-5, atol=1e-7)
+                   for k in ("w", "b"))
 
 
 @pytest.mark.parametrize("kwargs, named, allowed", [
@@ -185,6 +204,7 @@ def test_scaled_step_is_the_step_of_the_scaled_mean():
     ({"rounds": 2.5}, "rounds=2.5", "an int >= 0"),
     ({"rounds": True}, "rounds=True", "an int >= 0"),
     ({"scale_rounds": -3}, "scale_rounds=-3", "an int >= 0 (None: rounds)"),
+    ({"rescale": 1}, "rescale=1", "True or False"),
 ])
 def test_bad_warmup_raises_naming_the_value(kwargs, named, allowed):
     with pytest.raises(SpecError) as info:
@@ -208,7 +228,10 @@ def test_study_names():
     assert split_name("s0.007-m0.5-w0.05x10") == ("s0.007-m0.5", Warmup(share=0.05, rounds=10), None)
     assert split_name("s0.007-m0.5") == ("s0.007-m0.5", None, None)
     assert split_name("s0.007-m0.5-w0.03x10-l8x20-M0.9x5") == (
-        "s0.007-m0.5", Warmup(share=0.03, scale=8.0, rounds=10, scale_rounds=20), {"M": (0.9, 5)})
+        "s0.007-m0.5", Warmup(share=0.03, scale=8.0, rounds=10, scale_rounds=20, rescale=False), {"M": (0.9, 5)})
+    assert split_name("s0.007-m0.5-L8x20") == ("s0.007-m0.5", Warmup(scale=8.0, scale_rounds=20), None)
+    with pytest.raises(ValueError, match="one of them"):
+        split_name("s0.007-m0.5-L8x20-l8x20")
     upload, settings, warmup, _ = settings_of("s0.007-m0.5-w0.05x10", 10_000)
     assert warmup == Warmup(share=0.05, rounds=10) and settings["coupled_download"]
     assert settings["server_momentum"] == 0.5
