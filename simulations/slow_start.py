@@ -44,7 +44,7 @@ from fedcomp.server_feedback import Warmup
 from fedcomp.simulations import xdev_defaults as xd
 
 OUT = Path(__file__).resolve().parent.parent / "results" / "slow-start" / "runs.jsonl"
-_KNOB = re.compile(r"-(?P<kind>[wlLMa])(?P<value>[0-9.]+)x(?P<rounds>\d+)")
+_KNOB = re.compile(r"-(?P<kind>[wlLMaN])(?P<value>[0-9.]+)x(?P<rounds>\d+)")
 
 
 def split_name(name: str) -> tuple[str, Warmup | None, tuple[float, int] | None]:
@@ -55,7 +55,10 @@ def split_name(name: str) -> tuple[str, Warmup | None, tuple[float, int] | None]
     ``-l<scale>x<R>`` (the same without the tables' fall: ``rescale=False``); screening knobs of this
     study alone: ``-M<rho>x<R>`` (server momentum ``rho`` for the steps of rounds 1..R),
     ``-a<scale>x<R>`` (the applied heavy hitters, not the mean table, times a factor from
-    ``scale`` down to 1 over R rounds: the error table keeps its scale)."""
+    ``scale`` down to 1 over R rounds: the error table keeps its scale), ``-N<m>x<R>`` (for the
+    steps of rounds 1..R, the step's L2 norm capped at m times the round's mean update's, estimated
+    from its table; what the cap removes is dropped: sketching it back into the error table adds
+    each cell's value once per element hashed there, about 15 times it with one row)."""
     knobs = {m["kind"]: (float(m["value"]), int(m["rounds"])) for m in _KNOB.finditer(name)}
     base = _KNOB.sub("", name)
     warmup = None
@@ -65,7 +68,7 @@ def split_name(name: str) -> tuple[str, Warmup | None, tuple[float, int] | None]
         share, rounds = knobs.get("w", (None, 0))
         scale, scale_rounds = knobs.get("L", knobs.get("l", (1.0, None)))
         warmup = Warmup(share=share, scale=scale, rounds=rounds, scale_rounds=scale_rounds, rescale="l" not in knobs)
-    return base, warmup, {k: v for k, v in knobs.items() if k in "Ma"} or None
+    return base, warmup, {k: v for k, v in knobs.items() if k in "MaN"} or None
 
 
 def settings_of(name: str, numel: int) -> tuple[str, dict, Warmup | None, tuple[float, int] | None]:
@@ -97,11 +100,19 @@ def server_warmup(warmup: Warmup | None, knobs: dict | None = None):
 
     knobs = knobs or {}
     momentum = knobs.get("M")
-    factor = [1.0]
+    factor = [1.0, 1.0]  # the applied step's factor (-a), the warm-up's scale of the mean table
 
-    def scaled_step(*args, **kwargs):
-        delta = sketch_step(*args, **kwargs)
-        return delta.mul_(factor[0]) if factor[0] != 1 else delta
+    cap = [0.0]  # the step's largest L2 norm this round (0: none)
+
+    def scaled_step(reducer, momentum_t, error, summed, rho, numel, k=None):
+        target = float(torch.linalg.vector_norm(summed)) / factor[1] / getattr(reducer, "rows", 1) ** 0.5
+        delta = sketch_step(reducer, momentum_t, error, summed, rho, numel, k)
+        if factor[0] != 1:
+            delta.mul_(factor[0])
+        norm = float(torch.linalg.vector_norm(delta))
+        if cap[0] and norm > cap[0] * target > 0:
+            delta.mul_(cap[0] * target / norm)
+        return delta
 
     class WarmFeedback(ServerFeedback):
         def __init__(self, *args, **kwargs):
@@ -113,10 +124,13 @@ def server_warmup(warmup: Warmup | None, knobs: dict | None = None):
                 self.momentum = momentum[0] if 1 <= round <= momentum[1] else self._rho
             if "a" in knobs:
                 factor[0] = warmup_fraction(1.0, knobs["a"][1], round, knobs["a"][0])
+            factor[1] = self.scale(round)
+            if "N" in knobs:
+                cap[0] = knobs["N"][0] if 1 <= round <= knobs["N"][1] else 0.0
             return super()._step(broadcast, nonce, round)
 
     aggregation.ServerFeedback = WarmFeedback
-    if "a" in knobs:
+    if "a" in knobs or "N" in knobs:
         server_feedback.sketch_step = scaled_step
     try:
         yield
