@@ -64,13 +64,17 @@ class Aggregation(Part):
         server_optimizer = type(host.inner) in SERVER_OPTIMIZERS
         self.optimizer = SparseServerOptimizer.of(host.inner, momentum=False) if server_optimizer else None
         if host.aggregation == "sketch":  # server-side error feedback: tables per segment of this layout
+            if host.config.warmup is not None and (robust_in_sketch_space(host.inner) or server_optimizer):
+                raise fedcomp.SpecError(
+                    f"server_warmup={host.config.server_warmup!r} applies to FetchSGD with an averaging strategy "
+                    f"(FedAvg, FedProx, FedAvgM), not {type(host.inner).__name__}: use server_warmup=1 (off)")
             if robust_in_sketch_space(host.inner):  # the robust aggregate of the clients' tables
                 self.feedback = RobustFeedback(host.upload, layout, host.config.momentum, host.inner,
                                                self.weight_key())
             elif server_optimizer:  # the optimizer after FetchSGD's unsketch, where the heavy hitters are
                 self.feedback = OptimizerFeedback(host.upload, layout, host.config.momentum, self.optimizer)
             else:
-                self.feedback = ServerFeedback(host.upload, layout, host.config.momentum)
+                self.feedback = ServerFeedback(host.upload, layout, host.config.momentum, warmup=host.config.warmup)
 
     def exact_statistics(self, layout: fedcomp.Layout) -> None:
         """Send the model's running statistics (BatchNorm's ``running_mean``/``running_var``) exact:
@@ -232,7 +236,7 @@ class Aggregation(Part):
             if coupled:
                 log(WARNING, "fedcomp: tier 0's reference is not the global model in round %s; its step is encoded "
                     "apart this round", server_round)
-            return apply_step(base, self.feedback.step())
+            return apply_step(base, self.feedback.step(round=server_round + 1))
         try:
             sent, payload = self.feedback.step_broadcast(
                 tier.codec, nonce=derive_nonce(host.config.seed, server_round + 1, -1), round=server_round + 1)

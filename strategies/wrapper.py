@@ -141,6 +141,14 @@ class CompressedStrategy(Strategy):
         FetchSGD's momentum rho in sketch space (``aggregation="sketch"`` only). ``"auto"``: 0.9
         for robust strategies aggregated in sketch space with the auto upload
         (:mod:`fedcomp.strategies.robust_sketch`), 0 otherwise.
+    server_warmup : float or "auto" (default: ``"auto"``)
+        FetchSGD's step size in round 1 (``aggregation="sketch"`` with an averaging strategy): the
+        round's mean table is multiplied by a factor falling geometrically from it to 1 over 20
+        rounds, the momentum and error tables falling with it
+        (:class:`fedcomp.server_feedback.Warmup`); 1 is off. It closes most of cross-device's slow
+        start at no byte; with 2 clients a round factors of 5 and above diverged (docs: Results,
+        Slow start). ``"auto"``: 4 for the auto cross-device sketch with 10 or more nodes a round,
+        1 otherwise.
     delta : float (default: 0.0)
         Delta coding of uploads: a client encodes ``update - delta * previous`` where
         ``previous`` is the update the server reconstructed from that client's last reply, and

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from flwr.app import ArrayRecord
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedMedian
 
 import fedcomp
 from fedcomp.server_feedback import ServerFeedback
@@ -214,12 +214,15 @@ def test_auto_specs_follow_the_nodes_sampled_and_the_models_size(fraction, min_n
     if regime == "silo":
         assert strategy.upload.spec.startswith("topk(ratio=0.02") and strategy.error_feedback
         assert strategy.aggregation == "decode" and strategy.tiers[0].codec.spec == "none()"
+        assert strategy.config.server_warmup == 1.0 and strategy.config.warmup is None
     else:
         assert strategy.upload.spec.startswith(f"sketch(rows=1,cols={math.ceil(0.068 * numel)},ratio={SKETCH_RATIO}")
         assert strategy.aggregation == "sketch" and not strategy.error_feedback
         assert strategy.config.coupled_download and "stochastic=True" in strategy.tiers[0].codec.spec
         assert strategy.tiers[0].codec.spec.startswith(f"topk(ratio={SKETCH_RATIO},")  # the upload's heavy-hitter share
         assert strategy.config.momentum == SKETCH_SERVER_MOMENTUM
+        # 2 nodes a round: no warm-up (the round's mean it scales is too noisy; docs: Results, Slow start)
+        assert strategy.config.server_warmup == 1.0 and strategy._aggregate.feedback.warmup is None
     assert strategy.rounds[1].aggregated == (4 if regime == "silo" else 2)
 
 
@@ -368,3 +371,32 @@ def test_xdev_study_schemes_are_wrapper_settings_run_through_the_harness():
     assert dense.error is None and dense.download_modes["dense"] == 4 and abs(dense.up_ratio - 1) < 1e-9
     assert seeded.error is None and seeded.download_modes["chain"] == 4 and seeded.down_ratio > 50
     assert 0 < seeded.accuracy <= 1 and len(seeded.curve) == 1
+
+
+@pytest.mark.parametrize("inner", [lambda: FedMedian(fraction_train=0.5, min_available_nodes=4, min_train_nodes=2),
+                                   lambda: FedAdam(fraction_train=0.5, min_available_nodes=4, min_train_nodes=2)])
+def test_warmup_is_for_averaging_strategies_only(inner):
+    # robust strategies and server optimizers keep no warm-up under 'auto' ...
+    strategy = CompressedStrategy(inner())
+    run_round(strategy, tiny_model(), _contexts(4), 1)
+    assert strategy.aggregation == "sketch" and strategy.config.server_warmup == 1.0
+    # ... and refuse one written out, naming the setting and what is allowed
+    strategy = CompressedStrategy(inner(), server_warmup=4)
+    with pytest.raises(fedcomp.SpecError, match=r"server_warmup=4 applies to FetchSGD with an averaging strategy"):
+        run_round(strategy, tiny_model(), _contexts(4), 1)
+
+
+@pytest.mark.parametrize("nodes, warm", [(20, True), (18, False)])
+def test_auto_warms_fetchsgd_up_from_ten_nodes_a_round(nodes, warm):
+    from fedcomp.strategies.config import SKETCH_WARMUP_MIN_NODES, SKETCH_WARMUP_ROUNDS, SKETCH_WARMUP_SCALE
+
+    strategy = CompressedStrategy(FedAvg(fraction_train=0.5, min_available_nodes=nodes, min_train_nodes=2))
+    run_round(strategy, tiny_model(), _contexts(nodes), 1)
+    assert strategy.aggregation == "sketch" and strategy.rounds[1].aggregated == nodes // 2
+    assert (nodes // 2 >= SKETCH_WARMUP_MIN_NODES) == warm
+    warmup = strategy._aggregate.feedback.warmup
+    if warm:  # the server's ServerFeedback got it: step size 4 in round 1, falling to 1 over 20 rounds
+        assert strategy.config.server_warmup == SKETCH_WARMUP_SCALE > 1
+        assert (warmup.scale, warmup.rounds) == (SKETCH_WARMUP_SCALE, SKETCH_WARMUP_ROUNDS)
+    else:
+        assert strategy.config.server_warmup == 1.0 and warmup is None
