@@ -36,7 +36,7 @@ app = ServerApp()
 
 CONFIG_KEYS = (
     "num-server-rounds", "fraction-train", "fraction-evaluate", "task", "model", "local-epochs", "lr", "batch-size", "seed",
-    "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum", "delta",
+    "partition-alpha", "upload", "download", "error-feedback", "out-dir", "aggregation", "server-momentum", "server-warmup", "delta",
     "download-tier-kbps", "download-max-stale", "link-profile", "round-deadline-s", "budget-fallback",
     "streaming",
     "max-update-norm", "weight-factor", "faults", "round-timeout",
@@ -95,7 +95,10 @@ def validate_run_config(run_config) -> dict:
         raise ValueError(f"run config download-tier-kbps={cfg['download-tier-kbps']!r} is invalid: {exc}") from None
     _check(cfg, "out-dir", str, "a directory path", lambda v: bool(v.strip()))
     _check(cfg, "aggregation", str, "'auto', 'decode' or 'sketch'", lambda v: v in ("auto", "decode", "sketch"))
-    _check(cfg, "server-momentum", float, "a float in [0, 1)", lambda v: 0 <= v < 1)
+    for key, allowed, ok in (("server-momentum", "'auto' or a float in [0, 1)", lambda v: 0 <= v < 1),
+                             ("server-warmup", "'auto' or a factor in [1, 100] (1: off)", lambda v: 1 <= v <= 100)):
+        if cfg[key] != "auto":  # 'auto': the wrapper's regime default (CompressionConfig.resolve)
+            _check(cfg, key, float, allowed, ok)
     _check(cfg, "delta", float, "a float in [0, 1] (0: off)", lambda v: 0 <= v <= 1)
     _check(cfg, "link-profile", str, f"'none', 'mixed', one of {sorted(links.PRESETS)}, a .csv/.toml table path, "
            f"'measured' or 'measured:<one of those>'",
@@ -173,7 +176,8 @@ def main(grid: Grid, context: Context) -> None:
         error_feedback=bool(cfg["error-feedback"]),
         seed=seed,
         aggregation=str(cfg["aggregation"]),
-        server_momentum=float(cfg["server-momentum"]),
+        server_momentum=cfg["server-momentum"],
+        server_warmup=cfg["server-warmup"],
         delta=float(cfg["delta"]),
         download_tier_kbps=str(cfg["download-tier-kbps"]),
         download_max_stale=int(cfg["download-max-stale"]),

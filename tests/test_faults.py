@@ -199,6 +199,7 @@ BAD_RUN_CONFIG = {
     "out-dir": ("  ", "a directory path"),
     "aggregation": ("mean", "'auto', 'decode' or 'sketch'"),
     "server-momentum": (1.0, "a float in [0, 1)"),
+    "server-warmup": (0.5, "'auto' or a factor in [1, 100]"),
     "delta": (2.0, "a float in [0, 1]"),
     "max-update-norm": (-1.0, "a finite float >= 0"),
     "weight-factor": (0.5, "0 (trust declared weights) or a finite float >= 1"),
