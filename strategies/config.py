@@ -18,8 +18,7 @@ when the number of connected nodes, the number sampled and the model's size are 
   (``server_momentum="auto"``), download coupled to
   it (``coupled_download``): ``topk(ratio=0.007)+kbit(bits=4,stochastic=true)``, the server applies
   exactly what it broadcasts. Client residuals go stale when a client is seen rarely; the
-  server-side error table does not. With 10 or more nodes a round the server's step size starts
-  at 4 and falls to 1 over 20 rounds (``server_warmup="auto"``): FetchSGD's slow start.
+  server-side error table does not.
 
 An explicit upload spec resolves at the same moment: in cross-device its codec takes its
 cross-device defaults where the spec writes none of them (:func:`fedcomp.cross_device_spec`:
@@ -71,10 +70,7 @@ DENSE_UPLOAD = "qsgd(bits=4)"  # sparse-averse strategies: dense, unbiased (modu
 SKETCH_COLS_PER_PARAM = 0.068  # cross-device sketch columns per float parameter (16000 for 234k)
 SKETCH_RATIO = 0.007  # heavy hitters applied per round; the coupled download sends the same share (docstring)
 SKETCH_SERVER_MOMENTUM = 0.5  # FetchSGD's rho for the auto cross-device sketch ('auto'; docs: Results, Cross-device)
-SKETCH_WARMUP_SCALE = 4.0  # FetchSGD's step size in round 1 for the auto cross-device sketch ('auto'; docs: Results, Slow start)
-SKETCH_WARMUP_ROUNDS = 20  # over which the step size falls to 1
-SKETCH_WARMUP_MIN_NODES = 10  # nodes a round from which 'auto' warms up: it scales the round's mean, noisy with few
-# (2 a round: behind at round 10 in examples/cross-device, factors of 5 diverged; docs: Results, Slow start)
+SKETCH_WARMUP_ROUNDS = 20  # server_warmup: rounds over which FetchSGD's step size falls to 1 (docs: Results, Slow start)
 DENSE_CROSS_DEVICE_OPTIMIZERS = ("yogi", "adagrad")  # the sketch cost them accuracy cross-device (docs: Results, Server optimizers)
 OPTIMIZER_SKETCH_RATIO = 0.02  # FedAdam/FedYogi/FedAdagrad in cross-device: smaller shares lost points (docs: Results, Regimes)
 ROBUST_SKETCH_RATIO = 0.05  # robust strategies in sketch space, cross-silo: the heavy hitters' share (docs: Results, Robust)
@@ -121,7 +117,7 @@ class CompressionConfig:
     server_momentum: float | str = AUTO  # FetchSGD's rho (aggregation 'sketch'); 'auto': 0.9 for robust
     # strategies in sketch space with the auto upload, else 0 (module docstring)
     server_warmup: float | str = AUTO  # FetchSGD's step size in round 1, falling to 1 over SKETCH_WARMUP_ROUNDS
-    # (aggregation 'sketch', averaging strategies; 1: off); 'auto': SKETCH_WARMUP_SCALE for the auto cross-device sketch, else 1
+    # (aggregation 'sketch', averaging strategies; 1: off); 'auto': 1, opt-in (it diverged a transformer cross-device)
     delta: float = 0.0  # delta coding of uploads against the client's previous update (0: off)
     max_update_norm: float = 0.0  # absolute bound on an update's L2 norm (0: off)
     norm_factor: float = 10.0  # drop updates longer than this x the round's median norm (0: off)
@@ -224,7 +220,7 @@ class CompressionConfig:
     def resolve(self, *, partial: bool, numel: int | None = None, sparse_averse: bool = False,
                 robust_sketch: bool = False,
                 robust_momentum: float = ROBUST_SERVER_MOMENTUM, robust_share: float = ROBUST_SKETCH_RATIO,
-                server_optimizer: str | None = None, sampled: int | None = None) -> "CompressionConfig":
+                server_optimizer: str | None = None) -> "CompressionConfig":
         """This config with ``"auto"`` specs replaced for the regime (module docstring).
 
         ``partial``: not every connected node is sampled each round (cross-device); ``numel``:
@@ -238,8 +234,8 @@ class CompressionConfig:
         ``server_optimizer``: ``'adam'``, ``'yogi'`` or ``'adagrad'`` for Flower's FedAdam, FedYogi or
         FedAdagrad, whose step the wrapper runs on the accumulated update
         (:mod:`fedcomp.strategies.optimizer_sketch`): FetchSGD's server momentum stays 0 for them, and
-        in cross-device FedYogi and FedAdagrad keep ``qsgd(bits=4)``; ``sampled``: nodes sampled a
-        round (``server_warmup='auto'`` warms FetchSGD up from ``SKETCH_WARMUP_MIN_NODES``; None: no warm-up).
+        in cross-device FedYogi and FedAdagrad keep ``qsgd(bits=4)``. ``server_warmup='auto'`` is 1
+        (off) in every regime: the warm-up is opt-in (docs: Results, Slow start).
         An explicit upload spec in cross-device takes its codec's cross-device defaults where it
         writes none of them (:func:`fedcomp.cross_device_spec`: ``topk()`` keeps a tenth);
         otherwise a config without ``"auto"`` comes back as is.
@@ -280,10 +276,7 @@ class CompressionConfig:
         momentum = self.server_momentum
         if momentum == AUTO:
             momentum = robust_momentum if robust else SKETCH_SERVER_MOMENTUM if fetchsgd_auto else 0.0
-        warmup = self.server_warmup
-        if warmup == AUTO:
-            many = sampled is not None and sampled >= SKETCH_WARMUP_MIN_NODES
-            warmup = SKETCH_WARMUP_SCALE if fetchsgd_auto and many else 1.0
+        warmup = 1.0 if self.server_warmup == AUTO else self.server_warmup  # opt-in (the class docstring)
         return dataclasses.replace(self, upload=upload, download=download, coupled_download=coupled,
                                    server_momentum=momentum, server_warmup=warmup)
 

@@ -30,8 +30,7 @@ def resolve(host: CompressedStrategy, sampled: int, connected: int, arrays: Arra
                                      robust_sketch=robust_in_sketch_space(host.inner, partial),
                                      robust_momentum=robust_momentum(host.inner, partial),
                                      robust_share=robust_share(host.inner, partial),
-                                     server_optimizer=variant_of(host.inner) if type(host.inner) in SERVER_OPTIMIZERS else None,
-                                     sampled=sampled))
+                                     server_optimizer=variant_of(host.inner) if type(host.inner) in SERVER_OPTIMIZERS else None))
     if host.requested.auto:
         warn_biased(host)
     log(INFO, "fedcomp: %s (%d of %d nodes per round, %d parameters): upload %s, download %s, aggregation %s",

@@ -221,8 +221,7 @@ def test_auto_specs_follow_the_nodes_sampled_and_the_models_size(fraction, min_n
         assert strategy.config.coupled_download and "stochastic=True" in strategy.tiers[0].codec.spec
         assert strategy.tiers[0].codec.spec.startswith(f"topk(ratio={SKETCH_RATIO},")  # the upload's heavy-hitter share
         assert strategy.config.momentum == SKETCH_SERVER_MOMENTUM
-        # 2 nodes a round: no warm-up (the round's mean it scales is too noisy; docs: Results, Slow start)
-        assert strategy.config.server_warmup == 1.0 and strategy._aggregate.feedback.warmup is None
+        assert strategy.config.server_warmup == 1.0 and strategy._aggregate.feedback.warmup is None  # opt-in
     assert strategy.rounds[1].aggregated == (4 if regime == "silo" else 2)
 
 
@@ -386,17 +385,16 @@ def test_warmup_is_for_averaging_strategies_only(inner):
         run_round(strategy, tiny_model(), _contexts(4), 1)
 
 
-@pytest.mark.parametrize("nodes, warm", [(20, True), (18, False)])
-def test_auto_warms_fetchsgd_up_from_ten_nodes_a_round(nodes, warm):
-    from fedcomp.strategies.config import SKETCH_WARMUP_MIN_NODES, SKETCH_WARMUP_ROUNDS, SKETCH_WARMUP_SCALE
+@pytest.mark.parametrize("warmup, scale", [("auto", None), (4, 4.0), (1, None)])
+def test_server_warmup_is_opt_in_and_reaches_the_servers_feedback(warmup, scale):
+    from fedcomp.strategies.config import SKETCH_WARMUP_ROUNDS
 
-    strategy = CompressedStrategy(FedAvg(fraction_train=0.5, min_available_nodes=nodes, min_train_nodes=2))
-    run_round(strategy, tiny_model(), _contexts(nodes), 1)
-    assert strategy.aggregation == "sketch" and strategy.rounds[1].aggregated == nodes // 2
-    assert (nodes // 2 >= SKETCH_WARMUP_MIN_NODES) == warm
-    warmup = strategy._aggregate.feedback.warmup
-    if warm:  # the server's ServerFeedback got it: step size 4 in round 1, falling to 1 over 20 rounds
-        assert strategy.config.server_warmup == SKETCH_WARMUP_SCALE > 1
-        assert (warmup.scale, warmup.rounds) == (SKETCH_WARMUP_SCALE, SKETCH_WARMUP_ROUNDS)
-    else:
-        assert strategy.config.server_warmup == 1.0 and warmup is None
+    strategy = CompressedStrategy(FedAvg(fraction_train=0.5, min_available_nodes=20, min_train_nodes=2),
+                                  server_warmup=warmup)
+    run_round(strategy, tiny_model(), _contexts(20), 1)
+    assert strategy.aggregation == "sketch" and strategy.rounds[1].aggregated == 10
+    feedback_warmup = strategy._aggregate.feedback.warmup
+    if scale is None:  # 'auto' is off in every regime (it diverged a transformer cross-device)
+        assert strategy.config.server_warmup == 1.0 and feedback_warmup is None
+    else:  # step size 4 in round 1, falling to 1 over 20 rounds
+        assert (feedback_warmup.scale, feedback_warmup.rounds) == (scale, SKETCH_WARMUP_ROUNDS)
