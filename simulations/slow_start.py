@@ -196,15 +196,7 @@ def table(records: list[dict], *, task: str, model: str, rounds: int, clients: i
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("names", nargs="*", help="runs (module docstring); none: only print the table")
-    p.add_argument("--task", default="digits")
-    p.add_argument("--model", default="mlp")
-    p.add_argument("--rounds", type=int, default=60)
-    p.add_argument("--clients", type=int, default=100)
-    p.add_argument("--fraction", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=None, help="client learning rate (default: the harness's)")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds")
-    p.add_argument("--out", type=Path, default=OUT)
+    xd.run_arguments(p, OUT)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)

@@ -245,8 +245,9 @@ def _range(diffs: list[float]) -> str:
     return f"{min(diffs) * 100:+.2f}..{max(diffs) * 100:+.2f}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_arguments(p: argparse.ArgumentParser, out: Path) -> None:
+    """The run options this study shares with :mod:`fedcomp.simulations.slow_start` (names, the
+    task and regime, seeds, the records' file ``out``)."""
     p.add_argument("names", nargs="*", help="runs (module docstring); none: only print the table")
     p.add_argument("--task", default="digits")
     p.add_argument("--model", default="mlp")
@@ -255,7 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fraction", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=None, help="client learning rate (default: the harness's)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--out", type=Path, default=out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    run_arguments(p, OUT)
     p.add_argument("--recalibrate", type=int, default=0, metavar="K",
                    help="every K rounds also score the model with BatchNorm statistics re-estimated on the "
                         "global weights (0: off)")
