@@ -117,7 +117,7 @@ class CompressionConfig:
     server_momentum: float | str = AUTO  # FetchSGD's rho (aggregation 'sketch'); 'auto': 0.9 for robust
     # strategies in sketch space with the auto upload, else 0 (module docstring)
     server_warmup: float | str = AUTO  # FetchSGD's step size in round 1, falling to 1 over SKETCH_WARMUP_ROUNDS
-    # (aggregation 'sketch', averaging strategies; 1: off); 'auto': 1, opt-in (it diverged a transformer cross-device)
+    # (aggregation 'sketch', averaging strategies; 1: off); 'auto': 1, opt-in (docs: Results, Slow start)
     delta: float = 0.0  # delta coding of uploads against the client's previous update (0: off)
     max_update_norm: float = 0.0  # absolute bound on an update's L2 norm (0: off)
     norm_factor: float = 10.0  # drop updates longer than this x the round's median norm (0: off)

@@ -145,10 +145,8 @@ class CompressedStrategy(Strategy):
         FetchSGD's step size in round 1 (``aggregation="sketch"`` with an averaging strategy): the
         round's mean table is multiplied by a factor falling geometrically from it to 1 over 20
         rounds, the momentum and error tables falling with it
-        (:class:`fedcomp.server_feedback.Warmup`); 1 is off. It closes most of cross-device's slow
-        start at no byte on digits and a CNN with 10 clients a round; with 2 clients a round factors
-        of 5 and above diverged, and 4 diverged the transformer cross-device (docs: Results, Slow
-        start). ``"auto"``: 1 (off).
+        (:class:`fedcomp.server_feedback.Warmup`); 1 is off. It costs no byte; where it helps and
+        where it diverges: docs, Results, Slow start. ``"auto"``: 1 (off).
     delta : float (default: 0.0)
         Delta coding of uploads: a client encodes ``update - delta * previous`` where
         ``previous`` is the update the server reconstructed from that client's last reply, and
