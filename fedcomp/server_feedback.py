@@ -304,6 +304,23 @@ class ServerFeedback:
         assert payload is not None
         return out, payload
 
+    def cells_of(self, broadcast: Codec):
+        """The ``cells`` reducer of ``broadcast`` that sends this sketch's cells (one row, the same
+        cols and seed), or None: then what the broadcast drops is sketched back coordinate by
+        coordinate."""
+        from fedcomp.codecs.sketch import SketchCells
+
+        codecs = [c for _, c in getattr(broadcast, "rules", None) or []] or [broadcast]
+        for codec in codecs:
+            r = getattr(codec, "reducer", None)
+            if isinstance(r, SketchCells) and r.matches(self.reducer):
+                return r
+        return None
+
+    def flat_sent(self, sent: dict[str, torch.Tensor], group) -> torch.Tensor:
+        """A segment's tensors of ``sent``, flat, fp32."""
+        return torch.cat([sent[self._sketch_layout.tensors[i].name].reshape(-1).float() for i in group])
+
     def _step(self, broadcast: Codec | None, nonce: int, round: int) -> tuple[dict[str, torch.Tensor], bytes | None]:
         reducer = self.reducer
         if self._error is None:
@@ -348,7 +365,12 @@ class ServerFeedback:
         if broadcast is None:
             return out, None
         sent, payload = self._broadcast(broadcast, out, nonce, round)
+        cells = self.cells_of(broadcast)
         for j, (seg, group) in enumerate(self._segments):  # the broadcast's loss stays in the error,
+            if cells is not None:  # in the cells' units: each cell's coordinates moved by its value
+                flat = self.flat_sent(sent, group)
+                self._error[j].add_(cells.cell_mean(deltas[j] - flat, deltas[j] != 0))
+                continue
             # and so does what the model's dtype could not hold (fp16 rounding, values past its range):
             # sketched from where it is nonzero (the kept coordinates, mostly), tensor by tensor,
             # the bits of sketching the dense difference (zeros add nothing)

@@ -86,9 +86,13 @@ def cross_device_upload(numel: int, ratio: float = SKETCH_RATIO) -> str:
     return f"sketch(rows=1,cols={cols},ratio={ratio})+qsgd(bits=4)"
 
 
-def coupled_download(ratio: float = SKETCH_RATIO) -> str:
-    """The coupled download for a sketch of heavy-hitter share ``ratio``: the same share, 4-bit
-    values with stochastic rounding (nearest rounding can lock the coupled loop: docs, Results)."""
+def coupled_download(ratio: float = SKETCH_RATIO, sketch=None) -> str:
+    """The coupled download for a sketch of heavy-hitter share ``ratio``, 4-bit values with
+    stochastic rounding (nearest rounding can lock the coupled loop: docs, Results): for a one-row
+    ``sketch`` (its reducer) the step's cells (``cells``: one value per heavy-hitter cell, about
+    1/15 of the coordinates' bytes; docs, Results, Regimes), else the same share of coordinates."""
+    if sketch is not None and getattr(sketch, "rows", None) == 1:
+        return f"cells(cols={sketch.config.cols},seed={sketch.config.seed})+kbit(bits=4,stochastic=true)"
     return f"topk(ratio={ratio})+kbit(bits=4,stochastic=true)"
 
 
@@ -270,7 +274,7 @@ class CompressionConfig:
         if self.download == AUTO:
             coupled = sketch and self.link_profile == links.NONE
             ratio = getattr(codec.reducer, "ratio", SKETCH_RATIO) if sketch else SKETCH_RATIO  # sketch's effective share
-            download = coupled_download(ratio) if coupled else SILO_DOWNLOAD
+            download = coupled_download(ratio, codec.reducer if sketch else None) if coupled else SILO_DOWNLOAD
         else:
             download = self.download
         momentum = self.server_momentum

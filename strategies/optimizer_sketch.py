@@ -248,8 +248,15 @@ class OptimizerFeedback(ServerFeedback):
         if broadcast is None:
             return out, None
         sent, payload = self._broadcast(broadcast, out, nonce, round)
-        reducer = self.reducer
+        reducer, cells = self.reducer, self.cells_of(broadcast)
         for j, (seg, group) in enumerate(self._segments):  # the download's loss, back in the table's units
+            if cells is not None:  # ... per cell (ServerFeedback._step)
+                names_j = [self._sketch_layout.tensors[i].name for i in group]
+                want = torch.cat([step[n].reshape(-1) for n in names_j])
+                per = torch.cat([factor[n].reshape(-1) for n in names_j])
+                diff = (want - self.flat_sent(sent, group).to(torch.float64)) / per
+                self._error[j].add_(cells.cell_mean(diff.float(), want != 0))
+                continue
             positions, values, offset = [], [], 0
             for i in group:
                 spec = self._sketch_layout.tensors[i]

@@ -64,9 +64,10 @@ DEFAULTS: dict[str, dict] = {
     "dgc": {"ratio": 0.001, "momentum": 0.7, "clip": 0.0, "warmup": 0, "start": 0.25, "sample": 0.01, "index": "rice"},
     "powersgd": {"rank": 2, "min_compression": 2.0, "seed": 0},
     "sketch": {"rows": 1, "cols": 0, "ratio": 0.02, "seed": 0},  # cols 0: from the segment (README)
+    "cells": {"cols": 0, "seed": 0},  # the sketch's cells, for its coupled download
 }
 SELECTORS = {"topk", "threshold", "randomk", "dgc"}
-DENSE_REDUCERS = {"powersgd", "sketch"}  # reducers that are not sparsifiers; own bounds in their test files
+DENSE_REDUCERS = {"powersgd", "sketch", "cells"}  # reducers that are not sparsifiers; own bounds in their test files
 REDUCERS = SELECTORS | DENSE_REDUCERS
 
 
@@ -176,6 +177,8 @@ CASES = [
 CASES += [
     C("sketch-r1", ("sketch", {"rows": 1, "cols": 64, "ratio": 0.05})),
     C("sketch-r5+fp16", ("sketch", {"rows": 5, "cols": 32, "ratio": 0.02}), ("fp16", {})),
+    C("cells-c64", ("cells", {"cols": 64})),
+    C("cells-c40+kbit4", ("cells", {"cols": 40, "seed": 3}), ("kbit", {"bits": 4, "block": 16, "stochastic": True})),
 ]
 BY_ID = {c.id: c for c in CASES}
 assert len(BY_ID) == len(CASES), "case ids must be unique"
@@ -821,7 +824,8 @@ def test_unbiasedness_check_detects_a_biased_codec():
 
 # -- sizes -------------------------------------------------------------------------------------
 def data_dependent_size(case: Case) -> bool:
-    return case.selector in ("threshold", "dgc") or (case.selector == "topk" and case.params("topk")["index"] == "rice")
+    return (case.selector in ("threshold", "dgc") or (case.selector == "topk" and case.params("topk")["index"] == "rice")
+            or case.reducer == "cells")  # the cells where the update is nonzero, gap coded
 
 
 @ALL

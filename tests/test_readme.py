@@ -137,13 +137,15 @@ def test_regime_table_states_the_code_defaults():
     assert f"`{config.SILO_UPLOAD}`" in silo and f"`{config.SILO_DOWNLOAD}`" in silo
     xdev = rows["a fraction of the nodes per round (cross-device)"]
     assert f"cols=ceil({config.SKETCH_COLS_PER_PARAM} n),ratio={config.SKETCH_RATIO}" in xdev
-    assert f"topk(ratio={config.SKETCH_RATIO})+kbit(bits=4,stochastic=true)" in xdev
+    assert "`cells(cols=ceil(0.068 n))+kbit(bits=4,stochastic=true)`" in xdev
+    assert config.coupled_download(config.SKETCH_RATIO, fedcomp.build_codec("sketch(rows=1,cols=9)").reducer) == \
+        "cells(cols=9,seed=0)+kbit(bits=4,stochastic=true)"
     assert f"server momentum {config.SKETCH_SERVER_MOMENTUM}" in xdev
     assert "statistics exact" in rows["cross-device, model with BatchNorm statistics"]
     robust = rows["FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan (any regime)"]
     assert f"ratio={config.ROBUST_SKETCH_RATIO})+qsgd(bits=4)" in robust
     assert f"momentum {config.ROBUST_SERVER_MOMENTUM}" in robust
-    assert f"topk(ratio={config.ROBUST_SKETCH_RATIO})+kbit(bits=4,stochastic=true)" in robust
+    assert "`cells(cols=ceil(0.068 n))+kbit(bits=4,stochastic=true)`" in robust
     assert f"`{config.DENSE_UPLOAD}`" in rows["QFedAvg, subclasses of the server optimizers (any regime)"]
     assert "server momentum 0" in rows["FedAdam, FedAdagrad, FedYogi (Flower's own)"]
 

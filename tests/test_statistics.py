@@ -118,7 +118,8 @@ def test_fetchsgd_carries_statistics_beside_the_sketch(download="auto"):
     assert strategy.feedback.nbytes - strategy.feedback.reducer.cache_nbytes == 2 * 4 * 160
     if download == "auto":
         assert strategy.config.coupled_download
-        assert sent[P.DOWNLOAD_SPEC].startswith("name~*running_mean: none(); name~*running_var: none(); topk(")
+        # the step's cells, under the upload sketch's own hashes (cols 0: automatic on both sides)
+        assert sent[P.DOWNLOAD_SPEC].startswith("name~*running_mean: none(); name~*running_var: none(); cells(cols=0,seed=0)+")
 
 
 def test_compressed_like_weights_they_are_not_the_mean():

@@ -172,7 +172,7 @@ def test_coupled_download_moves_the_model_by_exactly_what_it_broadcasts():
     model0 = tiny_model(rows=64, cols=60)
     mod = make_compression_mod(initial_model=lambda c: tiny_model(rows=64, cols=60))
     strategy = CompressedStrategy(FedAvg(fraction_train=0.5), upload=QSKETCH, seeded_init=True)
-    assert strategy.config.coupled_download and strategy.config.download.startswith("topk(ratio=0.02)+kbit(bits=4")
+    assert strategy.config.coupled_download and strategy.config.download.startswith("cells(cols=600,seed=0)+kbit(bits=4")
     contexts = _contexts(4)
     model = model0
     for r in range(1, 5):
@@ -219,7 +219,7 @@ def test_auto_specs_follow_the_nodes_sampled_and_the_models_size(fraction, min_n
         assert strategy.upload.spec.startswith(f"sketch(rows=1,cols={math.ceil(0.068 * numel)},ratio={SKETCH_RATIO}")
         assert strategy.aggregation == "sketch" and not strategy.error_feedback
         assert strategy.config.coupled_download and "stochastic=True" in strategy.tiers[0].codec.spec
-        assert strategy.tiers[0].codec.spec.startswith(f"topk(ratio={SKETCH_RATIO},")  # the upload's heavy-hitter share
+        assert strategy.tiers[0].codec.spec.startswith(f"cells(cols={math.ceil(0.068 * numel)},seed=0)+")  # its cells
         assert strategy.config.momentum == SKETCH_SERVER_MOMENTUM
         assert strategy.config.server_warmup == 1.0 and strategy._aggregate.feedback.warmup is None  # opt-in
     assert strategy.rounds[1].aggregated == (4 if regime == "silo" else 2)

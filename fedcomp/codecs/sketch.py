@@ -41,7 +41,9 @@ import torch
 
 from fedcomp import kernels, uniforms
 from fedcomp.base import REGISTRY, Knob, Reducer, Segment, StageContext, register
+from fedcomp.bitpack import choose_rice_parameter, packed_bytes, rice_decode, rice_encode
 from fedcomp.codecs.blockwise import _encode_kernels
+from fedcomp.errors import DecodeError
 from fedcomp.wire import MMAPPED, Reader, Writer, host_empty, host_zeros
 
 HASH_CACHE = 1 << 21  # hash entries (rows x elements) kept as tables; larger segments regenerate them
@@ -503,6 +505,119 @@ class CountSketch(Reducer):
 
     def expand(self, values: torch.Tensor, aux, seg: Segment) -> torch.Tensor:
         return self.heavy_hitters(values, seg.numel, version=aux or self.wire_version)
+
+
+@register
+class SketchCells(Reducer):
+    """The download of a one-row FetchSGD step: its cells, not its coordinates.
+
+    With one hash row every element hashed to a heavy-hitter cell gets that cell's value (times
+    its sign), so the server's step (:func:`fedcomp.fetchsgd.sketch_step`) is constant per cell up
+    to the sign: ``x_j = s(j) w[h(j)]``. ``cells(cols, seed)`` sends ``w`` at the cells where the
+    segment is nonzero, under the hashes of ``sketch(rows=1, cols=cols, seed=seed)`` on the same
+    segment (payload format 2), and decodes every element of a sent cell as ``s(j) w[h(j)]``. A
+    step of k coordinates in cells of about ``n / cols`` elements travels as about ``k cols / n``
+    values: 1/15 of ``topk(ratio=...)`` at the automatic ``cols = 0.068 n``.
+
+    Any segment encodes: ``w`` is the signed mean of the nonzero elements of each cell, so a vector
+    that is not constant per cell comes back projected onto the cells (lossy, biased: error
+    feedback applies). ``ServerFeedback`` keeps what the quantizer after it drops in the cells'
+    units (:meth:`cell_mean`). ``cols`` and ``seed`` must be the upload sketch's (and the segment
+    the same tensors), or the cells mean nothing; the coupled download that ``CompressedStrategy``
+    writes for a one-row sketch copies them.
+    """
+
+    name = "cells"
+    wire_version = 2
+
+    @dataclass(frozen=True)
+    class Config:
+        cols: int = 0  # the upload sketch's cells per row; 0: its automatic ceil(0.068 n)
+        seed: int = 0  # the upload sketch's seed
+
+    def validate(self) -> None:
+        if not 0 <= self.config.cols <= 2**28:
+            self.fail("cols", "a positive integer up to 2**28 (0: ceil(0.068 n) cells for a segment of n, as sketch())")
+        if not 0 <= self.config.seed < 2**32:
+            self.fail("seed", "an integer in [0, 2**32)")
+        self.hashes = CountSketch.from_args({"rows": 1, "cols": self.config.cols, "seed": self.config.seed})
+
+    def matches(self, sketch: "CountSketch") -> bool:
+        """Whether these cells are ``sketch``'s (one row, the same cols and seed)."""
+        return (sketch.rows == 1 and sketch.config.cols == self.config.cols
+                and sketch.config.seed == self.config.seed)
+
+    def cols(self, n: int) -> int:
+        return self.hashes.cols(n)
+
+    def _chunks(self, n: int, device: torch.device):
+        for a, b, cells, signs in self.hashes._hash_chunks(n, device):
+            yield a, b, cells[0], signs[0]
+
+    def cell_mean(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Per cell, the signed mean ``sum s(j) x_j / count`` over the elements of ``x`` (1-D, a
+        whole segment) where ``mask`` (default: ``x != 0``) holds; 0 in cells without any (fp32,
+        ``cols`` values)."""
+        n = x.numel()
+        sums = torch.zeros(self.cols(n), dtype=torch.float64, device=x.device)
+        counts = torch.zeros_like(sums)
+        for a, b, cells, signs in self._chunks(n, x.device):
+            part = x[a:b]
+            use = (part != 0) if mask is None else mask[a:b]
+            sums.index_add_(0, cells, (signs * part).double() * use)
+            counts.index_add_(0, cells, use.double())
+        return torch.where(counts > 0, sums / counts.clamp_min(1), 0.0).float()
+
+    def reduce(self, x: torch.Tensor, seg: Segment, out: Writer, ctx: StageContext):
+        n = seg.numel
+        sums = torch.zeros(self.cols(n), dtype=torch.float64, device=x.device)
+        counts = torch.zeros_like(sums)
+        for a, b, cells, signs in self._chunks(n, x.device):
+            part = x[a:b]
+            sums.index_add_(0, cells, (signs * part).double())
+            counts.index_add_(0, cells, (part != 0).double())
+        kept = torch.nonzero(counts).squeeze(1)
+        values = (sums[kept] / counts[kept]).float()
+        return values, kept, _write_rice(kept, self.cols(n), out)
+
+    def read(self, src: Reader, seg: Segment, ctx: StageContext, device: torch.device):
+        return _read_rice(src, self.cols(seg.numel), device)
+
+    def value_count(self, aux, seg: Segment) -> int:
+        return aux.numel()
+
+    def expand(self, values: torch.Tensor, aux, seg: Segment) -> torch.Tensor:
+        n = seg.numel
+        table = torch.zeros(self.cols(n), device=values.device)
+        table[aux] = values.float()
+        y = host_zeros(n) if values.device.type == "cpu" else torch.zeros(n, device=values.device)
+        for a, b, cells, signs in self._chunks(n, values.device):
+            y[a:b] = signs * torch.index_select(table, 0, cells)
+        return y
+
+
+def _write_rice(idx: torch.Tensor, n: int, out: Writer) -> int:
+    """Sorted positions in [0, n), gap coded (Golomb-Rice; ``topk``'s index stream); its bytes."""
+    out.u32(idx.numel())
+    r = choose_rice_parameter(idx.cpu(), n)
+    unary, rem = rice_encode(idx.cpu(), r)
+    out.u8(r)
+    out.u32(unary.numel())
+    out.tensor(unary)
+    out.tensor(rem)
+    return 9 + unary.numel() + rem.numel()
+
+
+def _read_rice(src: Reader, n: int, device: torch.device) -> torch.Tensor:
+    k = src.u32()
+    if k > n:
+        raise DecodeError(f"payload claims {k} cells of {n}")
+    r = src.u8()
+    if r > 40:
+        raise DecodeError(f"Rice parameter {r} out of range (0..40)")
+    unary = src.take(src.u32())
+    rem = src.take(packed_bytes(k, r))
+    return rice_decode(unary, rem, k, r, n).to(device)
 
 
 def _bin_of(hist: np.ndarray, k: int) -> tuple[int, int]:
