@@ -16,8 +16,10 @@ when the number of connected nodes, the number sampled and the model's size are 
   ``sketch(rows=1, cols=ceil(0.068 n), ratio=0.007)+qsgd(bits=4)`` (n = float parameters) with
   server-side error feedback (``aggregation="sketch"``, clients stateless) and server momentum 0.5
   (``server_momentum="auto"``), download coupled to
-  it (``coupled_download``): ``topk(ratio=0.007)+kbit(bits=4,stochastic=true)``, the server applies
-  exactly what it broadcasts. Client residuals go stale when a client is seen rarely; the
+  it (``coupled_download``): ``cells(cols=<the sketch's>)+kbit(bits=4,stochastic=true)``, the
+  step's heavy-hitter cells (with one hash row every coordinate of a cell moves by the cell's
+  value: one value a cell travels, about 1/15 of the coordinates'), the server applies exactly
+  what it broadcasts. Client residuals go stale when a client is seen rarely; the
   server-side error table does not.
 
 An explicit upload spec resolves at the same moment: in cross-device its codec takes its
@@ -35,7 +37,7 @@ MultiKrum, Bulyan: ``robust_sketch``) aggregate in sketch space in every regime
 (:mod:`fedcomp.strategies.robust_sketch`): upload ``sketch(rows=1, cols=ceil(0.068 n),
 ratio=0.05)+qsgd(bits=4)``, the strategy's own aggregate over the clients' tables, FetchSGD's
 server step with momentum 0.9 (``server_momentum="auto"``), coupled download
-``topk(ratio=0.05)+kbit(bits=4,stochastic=true)`` (the Krum family: a 0.1 share, one client's table
+``cells(cols=<the sketch's>)+kbit(bits=4,stochastic=true)`` (the Krum family: a 0.1 share, one client's table
 a round); in cross-device the averaging strategies' share
 and momentum (their 30x downloads), momentum 0 for the Krum family (momentum carried the rounds an
 attacker won into the next ones). Sparse updates would defeat them (each

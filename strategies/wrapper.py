@@ -89,7 +89,9 @@ class CompressedStrategy(Strategy):
         Codec spec of the broadcasts, or tiers separated by ``|`` (tier 0 first, for the slowest
         links), e.g. ``"topk(ratio=0.01)+twobit() | topk(ratio=0.1)+kbit(bits=4) | kbit(bits=8)"``.
         ``"auto"``: ``none()`` with decoded aggregation; with ``aggregation="sketch"`` the coupled
-        ``topk(ratio=<the sketch's ratio>)+kbit(bits=4,stochastic=true)`` (``coupled_download``).
+        ``cells(cols=<the sketch's>,seed=<its seed>)+kbit(bits=4,stochastic=true)`` (``coupled_download``):
+        one value per heavy-hitter cell of a one-row sketch; ``topk(ratio=<the sketch's ratio>)+...``
+        for a sketch of several rows.
         Each tier keeps its own reference model and error feedback (:mod:`fedcomp.broadcast`).
         A client's tier: node config ``download-tier``, else its ``downlink-kbps`` against
         ``download_tier_kbps``, else (simulation) ``partition-id`` modulo the number of tiers.
