@@ -47,6 +47,8 @@ from fedcomp._kernels.hashing import (  # noqa: F401
     add_at,
     add_at_runs,
     ascending,
+    cells_expand,
+    cells_sums,
     rice_decode,
     sketch_add,
     smallest_exact,

@@ -122,6 +122,36 @@ def sketch_add(x, k0s, k1s, cols, table):
             table[c] += -v if h & one else v
 
 
+@njit(cache=True, nogil=True)
+def cells_sums(x, k0, k1, cols, sums, counts):
+    """SketchCells.reduce (one row, format 2's hashes, as :func:`sketch_add`): for every nonzero
+    x[j] (NaN included), sums[c] += sign * x[j] in float64 and counts[c] += 1, c = h_j * cols >> 32."""
+    c64 = np.uint64(cols)
+    w = _base(k0, 0)
+    for j in range(x.shape[0]):
+        h = _hw(w, k1)
+        w = _step(w)
+        v = x[j]
+        if v != 0:
+            c = np.int64((np.uint64(h) * c64) >> np.uint64(32))
+            d = np.float64(v)
+            sums[c] += -d if h & np.uint32(1) else d
+            counts[c] += 1.0
+
+
+@njit(cache=True, nogil=True)
+def cells_expand(table, k0, k1, cols, y):
+    """SketchCells.expand: y[j] = sign_j * table[h_j * cols >> 32] (fp32; -0.0 where a negative
+    sign meets an empty cell, as the torch path's product)."""
+    c64 = np.uint64(cols)
+    w = _base(k0, 0)
+    for j in range(y.shape[0]):
+        h = _hw(w, k1)
+        w = _step(w)
+        v = table[np.int64((np.uint64(h) * c64) >> np.uint64(32))]
+        y[j] = -v if h & np.uint32(1) else v
+
+
 _HBLOCK = 1 << 16  # hashes per step of smallest_hashes (a block's top bits fit one small buffer)
 
 

@@ -568,14 +568,21 @@ class SketchCells(Reducer):
             counts.index_add_(0, cells, use.double())
         return torch.where(counts > 0, sums / counts.clamp_min(1), 0.0).float()
 
+    def _key(self, n: int) -> tuple[int, int]:
+        return self.hashes._row_keys(n)[0]
+
     def reduce(self, x: torch.Tensor, seg: Segment, out: Writer, ctx: StageContext):
         n = seg.numel
         sums = torch.zeros(self.cols(n), dtype=torch.float64, device=x.device)
         counts = torch.zeros_like(sums)
-        for a, b, cells, signs in self._chunks(n, x.device):
-            part = x[a:b]
-            sums.index_add_(0, cells, (signs * part).double())
-            counts.index_add_(0, cells, (part != 0).double())
+        k = _encode_kernels(x)  # the compiled loop where loaded (a server, a warm worker): the same sums
+        if k is not None:
+            k.cells_sums(x.numpy(), *self._key(n), self.cols(n), sums.numpy(), counts.numpy())
+        else:
+            for a, b, cells, signs in self._chunks(n, x.device):
+                part = x[a:b]
+                sums.index_add_(0, cells, (signs * part).double())
+                counts.index_add_(0, cells, (part != 0).double())
         kept = torch.nonzero(counts).squeeze(1)
         values = (sums[kept] / counts[kept]).float()
         return values, kept, _write_rice(kept, self.cols(n), out)
@@ -590,6 +597,11 @@ class SketchCells(Reducer):
         n = seg.numel
         table = torch.zeros(self.cols(n), device=values.device)
         table[aux] = values.float()
+        k = _encode_kernels(table)
+        if k is not None:
+            y = host_empty(n, torch.float32)
+            k.cells_expand(table.numpy(), *self._key(n), self.cols(n), y.numpy())
+            return y
         y = host_zeros(n) if values.device.type == "cpu" else torch.zeros(n, device=values.device)
         for a, b, cells, signs in self._chunks(n, values.device):
             y[a:b] = signs * torch.index_select(table, 0, cells)
