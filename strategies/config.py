@@ -38,8 +38,8 @@ MultiKrum, Bulyan: ``robust_sketch``) aggregate in sketch space in every regime
 ratio=0.05)+qsgd(bits=4)``, the strategy's own aggregate over the clients' tables, FetchSGD's
 server step with momentum 0.9 (``server_momentum="auto"``), coupled download
 ``cells(cols=<the sketch's>)+kbit(bits=4,stochastic=true)`` (the Krum family: a 0.1 share, one client's table
-a round); in cross-device the averaging strategies' share
-and momentum (their 30x downloads), momentum 0 for the Krum family (momentum carried the rounds an
+a round, in every regime); in cross-device the others take the averaging strategies' share
+and momentum, the Krum family momentum 0 (momentum carried the rounds an
 attacker won into the next ones). Sparse updates would defeat them (each
 client's own 1% of coordinates leaves coordinate-wise medians at zero and makes distances between
 clients meaningless); aligned sketch tables do not.
@@ -76,7 +76,7 @@ SKETCH_WARMUP_ROUNDS = 20  # server_warmup: rounds over which FetchSGD's step si
 DENSE_CROSS_DEVICE_OPTIMIZERS = ("yogi", "adagrad")  # the sketch cost them accuracy cross-device (docs: Results, Server optimizers)
 OPTIMIZER_SKETCH_RATIO = 0.02  # FedAdam/FedYogi/FedAdagrad in cross-device: smaller shares lost points (docs: Results, Regimes)
 ROBUST_SKETCH_RATIO = 0.05  # robust strategies in sketch space, cross-silo: the heavy hitters' share (docs: Results, Robust)
-SELECTING_SKETCH_RATIO = 0.1  # the Krum family's in cross-silo: one client's table a round (docs: Results, Robust)
+SELECTING_SKETCH_RATIO = 0.1  # the Krum family's, every regime: one client's table a round (docs: Results, Robust, Regimes)
 ROBUST_SERVER_MOMENTUM = 0.9  # their server momentum in sketch space ('auto'; docs: Results, Robust)
 PLACEHOLDER_PARAMS = 234_122  # before the model is known (the project's MLP): only cols depend on it
 

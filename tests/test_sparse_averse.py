@@ -62,7 +62,7 @@ def test_robust_strategies_aggregate_in_sketch_space(make, fraction):
     strategy = CompressedStrategy(make(fraction_train=fraction))
     assert strategy.sparse_averse and strategy.aggregation == "sketch"
     selecting = make in (fs.Krum, fs.MultiKrum, fs.Bulyan)  # one client's table a round
-    share = (SELECTING_SKETCH_RATIO if selecting else ROBUST_SKETCH_RATIO) if fraction == 1.0 else SKETCH_RATIO
+    share = SELECTING_SKETCH_RATIO if selecting else ROBUST_SKETCH_RATIO if fraction == 1.0 else SKETCH_RATIO
     assert strategy.config.upload.startswith("sketch(") and f"ratio={share}" in strategy.config.upload
     cols = strategy.config.upload.split("cols=")[1].split(",")[0]  # the download sends the sketch's own cells
     assert strategy.config.coupled_download and strategy.config.download.startswith(f"cells(cols={cols},seed=0)+")
