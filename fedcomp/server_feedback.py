@@ -306,14 +306,20 @@ class ServerFeedback:
 
     def cells_of(self, broadcast: Codec):
         """The ``cells`` reducer of ``broadcast`` that sends this sketch's cells (one row, the same
-        cols and seed), or None: then what the broadcast drops is sketched back coordinate by
-        coordinate."""
+        cols and seed, over the same tensors), or None: then what the broadcast drops is sketched
+        back coordinate by coordinate."""
         from fedcomp.codecs.sketch import SketchCells
 
-        codecs = [c for _, c in getattr(broadcast, "rules", None) or []] or [broadcast]
-        for codec in codecs:
+        rules = getattr(broadcast, "rules", None)
+        if rules is None:
+            pairs = [(broadcast, self.layout)]
+        else:
+            pairs = [(rules[i][1], sub) for i, sub in broadcast.groups(self.layout, 0)]
+        sketched = [self._sketch_layout.tensors[i].name for _, group in self._segments for i in group]
+        for codec, sub in pairs:
             r = getattr(codec, "reducer", None)
-            if isinstance(r, SketchCells) and r.matches(self.reducer):
+            if (isinstance(r, SketchCells) and r.matches(self.reducer)
+                    and [t.name for t in sub.tensors if t.is_float] == sketched):
                 return r
         return None
 

@@ -169,3 +169,12 @@ def test_compiled_loops_give_the_torch_paths_bytes_and_bits(n, monkeypatch):
     slow_out = codec.decode(slow, layout)["w"]
     assert fast == slow
     assert torch.equal(fast_out.view(torch.int32), slow_out.view(torch.int32))
+
+
+def test_cells_over_other_tensors_than_the_sketchs_are_not_its_cells():
+    model = {"a": torch.randn(30, 7), "b": torch.randn(50), "c": torch.randn(11)}
+    codec = fedcomp.build_codec("name~c: none(); sketch(rows=1,cols=40,ratio=0.1)")
+    fb = ServerFeedback(codec, fedcomp.Layout.of(model))
+    same = fedcomp.build_codec("name~c: none(); cells(cols=40)+kbit(bits=4,stochastic=true)")
+    other = fedcomp.build_codec("name~b: none(); cells(cols=40)+kbit(bits=4,stochastic=true)")
+    assert fb.cells_of(same) is not None and fb.cells_of(other) is None
