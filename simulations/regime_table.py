@@ -158,15 +158,15 @@ def summarize(runs: list[dict]) -> list[dict]:
 def table(runs: list[dict]) -> str:
     """The Markdown table of :func:`summarize`."""
     lines = ["| regime | task / model | strategy | seeds | unwrapped % (spread) | wrapped % | gap pt (min..max) "
-             "| up x | down x | holds | upload / download (resolved) |",
-             "|---|---|---|---|---:|---:|---|---:|---:|---|---|"]
+             "| up x | down x | holds | upload / download (resolved) | wrapped runs at |",
+             "|---|---|---|---|---:|---:|---|---:|---:|---|---|---|"]
     for r in summarize(runs):
         regime = "cross-silo 10/10" if r["regime"] == "silo" else "cross-device 100 at 10%"
         verdict = ("yes" if r["holds"] else "**no**") + (" (2 pt: spread)" if r["allowed"] == 2.0 else "")
         lines.append(f"| {regime} | {r['task']} / `{r['model']}` | {r['strategy']} | {len(r['seeds'])} "
                      f"| {r['plain']:.2f} ({r['plain_spread']:.1f}) | {r['wrapped']:.2f} "
                      f"| {r['gap']:+.2f} ({r['gap_min']:+.2f}..{r['gap_max']:+.2f}) | {r['up']:.1f} | {r['down']:.1f} "
-                     f"| {verdict} | `{r['upload']}` / `{r['download'] or 'none()'}` |")
+                     f"| {verdict} | `{r['upload']}` / `{r['download'] or 'none()'}` | {', '.join(r['commits'])} |")
     return "\n".join(lines)
 
 
