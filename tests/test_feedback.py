@@ -47,6 +47,7 @@ LOSSY = [
     "powersgd(rank=1)",
     "powersgd(rank=2)+fp16",
     "sketch(rows=5, cols=512, ratio=0.05)",  # client-side error feedback needs a sketch that recovers well
+    "cells(cols=100)+kbit(bits=4)",  # a projection onto the cells: what is not constant per cell waits
 ]
 
 
