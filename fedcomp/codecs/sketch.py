@@ -41,8 +41,8 @@ import torch
 
 from fedcomp import kernels, uniforms
 from fedcomp.base import REGISTRY, Knob, Reducer, Segment, StageContext, register
-from fedcomp.bitpack import choose_rice_parameter, packed_bytes, rice_decode, rice_encode
 from fedcomp.codecs.blockwise import _encode_kernels
+from fedcomp.codecs.sparsify import read_rice, write_rice
 from fedcomp.errors import DecodeError
 from fedcomp.wire import MMAPPED, Reader, Writer, host_empty, host_zeros
 
@@ -609,27 +609,16 @@ class SketchCells(Reducer):
 
 
 def _write_rice(idx: torch.Tensor, n: int, out: Writer) -> int:
-    """Sorted positions in [0, n), gap coded (Golomb-Rice; ``topk``'s index stream); its bytes."""
+    """Sorted positions in [0, n): their count, then ``topk``'s Rice-coded stream; its bytes."""
     out.u32(idx.numel())
-    r = choose_rice_parameter(idx.cpu(), n)
-    unary, rem = rice_encode(idx.cpu(), r)
-    out.u8(r)
-    out.u32(unary.numel())
-    out.tensor(unary)
-    out.tensor(rem)
-    return 9 + unary.numel() + rem.numel()
+    return 4 + write_rice(idx.cpu(), n, out)
 
 
 def _read_rice(src: Reader, n: int, device: torch.device) -> torch.Tensor:
     k = src.u32()
     if k > n:
         raise DecodeError(f"payload claims {k} cells of {n}")
-    r = src.u8()
-    if r > 40:
-        raise DecodeError(f"Rice parameter {r} out of range (0..40)")
-    unary = src.take(src.u32())
-    rem = src.take(packed_bytes(k, r))
-    return rice_decode(unary, rem, k, r, n).to(device)
+    return read_rice(src, k, n, device)
 
 
 def _bin_of(hist: np.ndarray, k: int) -> tuple[int, int]:

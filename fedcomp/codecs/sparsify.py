@@ -268,6 +268,28 @@ def sample_generator(ctx: StageContext, seg: Segment) -> torch.Generator:
     return ctx.generator(_SAMPLE_STREAM + seg.index, "cpu")
 
 
+def write_rice(idx: torch.Tensor, n: int, out: Writer) -> int:
+    """Sorted positions in [0, n) as a Golomb-Rice gap stream (parameter, unary part, remainders);
+    its bytes. The count goes before it, written by the caller."""
+    r = choose_rice_parameter(idx, n)
+    unary, rem = rice_encode(idx, r)
+    out.u8(r)
+    out.u32(unary.numel())
+    out.tensor(unary)
+    out.tensor(rem)
+    return 5 + unary.numel() + rem.numel()
+
+
+def read_rice(src: Reader, k: int, n: int, device: torch.device) -> torch.Tensor:
+    """The ``k`` positions :func:`write_rice` wrote (checked: in range, strictly increasing)."""
+    r = src.u8()
+    if r > 40:
+        raise DecodeError(f"Rice parameter {r} out of range (0..40)")
+    unary = src.take(src.u32())
+    rem = src.take(packed_bytes(k, r))
+    return rice_decode(unary, rem, k, r, n).to(device)
+
+
 class _CodedIndices(Selector):
     """Selectors that send their positions: u32 k, then the index stream."""
 
@@ -287,13 +309,7 @@ class _CodedIndices(Selector):
         if self.config.index == "fixed":
             out.tensor(pack_bits(idx, fixed_index_bits(n)))
             return 4 + packed_bytes(k, fixed_index_bits(n))
-        r = choose_rice_parameter(idx, n)
-        unary, rem = rice_encode(idx, r)
-        out.u8(r)
-        out.u32(unary.numel())
-        out.tensor(unary)
-        out.tensor(rem)
-        return 9 + unary.numel() + rem.numel()
+        return 4 + write_rice(idx, n, out)
 
     def read_indices(self, src: Reader, seg: Segment, ctx: StageContext, device: torch.device) -> torch.Tensor:
         n = seg.numel
@@ -306,12 +322,7 @@ class _CodedIndices(Selector):
             if k and (bool((idx >= n).any()) or bool((torch.diff(idx) <= 0).any())):
                 raise DecodeError(f"indices out of range for {n} positions or not strictly increasing")
             return idx.to(device)
-        r = src.u8()
-        if r > 40:
-            raise DecodeError(f"Rice parameter {r} out of range (0..40)")
-        unary = src.take(src.u32())
-        rem = src.take(packed_bytes(k, r))
-        return rice_decode(unary, rem, k, r, n).to(device)
+        return read_rice(src, k, n, device)
 
     def side_nbytes(self, seg: Segment, count: int) -> int | None:
         return 4 + packed_bytes(count, fixed_index_bits(seg.numel)) if self.config.index == "fixed" else None
