@@ -54,6 +54,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from fedcomp.clients.warm_exec import DEFAULT_PRELOAD
 from fedcomp.links import Link
 from fedcomp.simulations.certs import NodeKey, TlsFiles, make_ca_and_server_cert, make_node_keys
 from fedcomp.simulations.relay import Counts, Relay, RelayGroup
@@ -91,6 +92,8 @@ _NODE_ID = re.compile(r"SuperNode ID: (\d+)")
 # and "Request: ..."), SendNodeHeartbeat only "Request: ...": count one line per call
 _RPC = re.compile(r"\[Fleet\.(\w+)\] (Request: )?")
 SHAPINGS = ("auto", "kernel", "relay")  # how per-node links are made (see the module docstring)
+ISOLATIONS = ("subprocess", "process", "warm")  # who starts ClientApps (start_supernode)
+WARM_PRELOAD = ",".join([*DEFAULT_PRELOAD, "fedcomp.simulations.client_app"])  # 'warm': the project's app too
 
 
 # --------------------------------------------------------------------------------- processes
@@ -479,21 +482,26 @@ def start_supernode(
     if max_retries is not None:
         cmd += ["--max-retries", str(max_retries)]
     runtime_port = free_port()
-    cmd += ["--host", "127.0.0.1", "--port", str(runtime_port), "--isolation", isolation,
-            "--node-config", node_config]
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation={isolation!r} is invalid: one of {ISOLATIONS}")
+    cmd += ["--host", "127.0.0.1", "--port", str(runtime_port),
+            "--isolation", "subprocess" if isolation == "subprocess" else "process", "--node-config", node_config]
     home = dep.workdir / f"{name}-home"  # own FLWR_HOME: nodes install the app bundle separately
     home.mkdir(parents=True, exist_ok=True)
     env = flower_env(home)
     env.update(extra_env or {})
     proc = _spawn(name, cmd, env, dep.workdir / "logs" / f"{name}.log", dep.workdir)
-    if isolation == "process":
+    if isolation != "subprocess":
         # the SuperNode does not start a SuperExec: run one next to it, as one would in a
-        # separate container, on the SuperNode's Runtime API (plain HTTP on loopback here)
+        # separate container, on the SuperNode's Runtime API (plain HTTP on loopback here);
+        # 'warm': fedcomp's, whose ClientApps fork from a process with Flower and torch imported
+        superexec = (["flower-superexec"] if isolation == "process"
+                     else [sys.executable, "-m", "fedcomp.clients.warm_exec", "--preload", WARM_PRELOAD])
         try:
             _wait_port(runtime_port, proc, 60)
             dep.extra.append(_spawn(
                 f"{name}-superexec",
-                [*dep.exec_prefix(index), "flower-superexec", "--insecure", "--runtime-api-address", f"127.0.0.1:{runtime_port}",
+                [*dep.exec_prefix(index), *superexec, "--insecure", "--runtime-api-address", f"127.0.0.1:{runtime_port}",
                  "--parent-pid", str(proc.pid)],
                 env, dep.workdir / "logs" / f"{name}-superexec.log", dep.workdir,
             ))
@@ -979,9 +987,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where logs, certificates and results go (default: ./outputs/deploy-<time>)")
     parser.add_argument("--device", default=None, help="node-config device for every SuperNode, e.g. cuda")
-    parser.add_argument("--isolation", default="subprocess", choices=["subprocess", "process"],
-                        help="SuperNode isolation: subprocess (the SuperNode starts its SuperExec) or process "
-                             "(this script starts a flower-superexec next to each SuperNode)")
+    parser.add_argument("--isolation", default="subprocess", choices=ISOLATIONS,
+                        help="SuperNode isolation: subprocess (the SuperNode starts its SuperExec), process "
+                             "(this script starts a flower-superexec next to each SuperNode) or warm (fedcomp's "
+                             "SuperExec, fedcomp.clients.warm_exec: ClientApps fork from a process with Flower "
+                             "and torch imported)")
     parser.add_argument("--idle-seconds", type=float, default=30.0,
                         help="measure Flower's idle traffic for this long before the runs (0: skip)")
     parser.add_argument("--timeout", type=float, default=1800, help="per-run timeout in seconds")

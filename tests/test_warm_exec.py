@@ -1,0 +1,74 @@
+"""fedcomp.clients.warm_exec: ClientApps forked from a zygote that preloaded modules."""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from fedcomp.clients import warm_exec
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the warm SuperExec needs os.fork")
+
+
+def _probe(request: dict) -> int:
+    with open(request["out"], "w") as f:
+        json.dump({"pid": os.getpid(), "ppid": os.getppid(), "n": request["n"],
+                   "preloaded": "colorsys" in sys.modules}, f)
+    return 0
+
+
+def _wait(path, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.stat().st_size):
+        assert time.monotonic() < deadline, f"{path} was not written"
+        time.sleep(0.05)
+    time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def test_zygote_forks_one_child_per_request_with_the_preloaded_modules(tmp_path):
+    zygote = warm_exec.Zygote(["colorsys"], target=_probe)
+    try:
+        outs = [tmp_path / f"{n}.json" for n in range(3)]
+        for n, out in enumerate(outs):
+            zygote.launch({"out": str(out), "n": n})
+        seen = [_wait(out) for out in outs]
+    finally:
+        zygote.close()
+    assert [s["n"] for s in seen] == [0, 1, 2]
+    assert all(s["ppid"] == zygote.pid for s in seen)  # forked by the zygote, not by us
+    assert len({s["pid"] for s in seen} | {zygote.pid, os.getpid()}) == 5
+    assert all(s["preloaded"] for s in seen)
+
+
+def test_close_ends_the_zygote(tmp_path):
+    zygote = warm_exec.Zygote([], target=_probe)
+    zygote.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(zygote.pid, 0)
+    zygote.close()  # twice is fine
+
+
+def test_bad_preload_is_named(capsys):
+    with pytest.raises(SystemExit):
+        warm_exec.main(["--insecure", "--runtime-api-address", "127.0.0.1:1", "--preload", "no_such_module_xyz"])
+    assert "no_such_module_xyz" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_warm_deployment_runs_flower_clientapps(tmp_path):
+    from fedcomp.simulations import deploy
+
+    nodes, rounds = 2, 2
+    with deploy.deployment(tmp_path / "deploy", nodes, isolation="warm") as dep:
+        run = deploy.run_app(dep, f"num-server-rounds={rounds}", tmp_path / "run", timeout=300)
+        assert run.ok, run.log[-3000:]
+        assert len(run.results["rounds"]) == rounds
+        assert run.results["rounds"][-1]["accuracy"] > 0.2
+        # one ClientApp process per message, each a fork of its node's zygote (named as Flower's)
+        assert run.clientapps["processes"] == rounds * nodes, run.clientapps
+        superexecs = [p for p in dep.extra if p.name.endswith("-superexec")]
+        assert len(superexecs) == nodes
+        assert all("fedcomp.clients.warm_exec" in " ".join(p.popen.args) for p in superexecs)
