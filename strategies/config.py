@@ -11,7 +11,9 @@ when the number of connected nodes, the number sampled and the model's size are 
 (:meth:`CompressionConfig.resolve`):
 
 * every node in every round (cross-silo, e.g. ``fraction_train=1``): upload
-  ``topk(ratio=0.02)+qsgd(bits=4)`` with client error feedback, download ``none()``;
+  ``topk(ratio=0.02)+qsgd(bits=4)`` with client error feedback, download the aggregate's support
+  at 4 bits (:func:`silo_download`: ``topk(ratio=0.02 x nodes)+kbit(bits=4,stochastic=true)``;
+  ``none()`` for the server optimizers);
 * a fraction of the nodes per round (cross-device, ``fraction_train < 1``): upload
   ``sketch(rows=1, cols=ceil(0.068 n), ratio=0.007)+qsgd(bits=4)`` (n = float parameters) with
   server-side error feedback (``aggregation="sketch"``, clients stateless) and server momentum 0.5
@@ -67,7 +69,8 @@ from fedcomp.policy import is_policy
 AGGREGATIONS = ("auto", "decode", "sketch")
 AUTO = "auto"
 SILO_UPLOAD = "topk(ratio=0.02)+qsgd(bits=4)"  # every node every round: client error feedback holds (2%: docs, Results, Regimes)
-SILO_DOWNLOAD = "none()"
+SILO_DOWNLOAD = "none()"  # before the first round, and for the strategies silo_download leaves dense
+SILO_DOWNLOAD_BITS = 4  # the silo broadcast's values: 4-bit, stochastic rounding, the server keeps the rest
 DENSE_UPLOAD = "qsgd(bits=4)"  # sparse-averse strategies: dense, unbiased (module docstring)
 SKETCH_COLS_PER_PARAM = 0.068  # cross-device sketch columns per float parameter (16000 for 234k)
 SKETCH_RATIO = 0.007  # heavy hitters applied per round; the coupled download sends the same share (docstring)
@@ -96,6 +99,20 @@ def coupled_download(ratio: float = SKETCH_RATIO, sketch=None) -> str:
     if sketch is not None and getattr(sketch, "rows", None) == 1:
         return f"cells(cols={sketch.config.cols},seed={sketch.config.seed})+kbit(bits=4,stochastic=true)"
     return f"topk(ratio={ratio})+kbit(bits=4,stochastic=true)"
+
+
+def silo_download(sampled: int | None, upload: str = SILO_UPLOAD) -> str:
+    """The cross-silo broadcast when every node sends ``upload``'s top-k: the aggregate's support, at most
+    ``sampled`` clients' shares of coordinates (``topk(ratio=min(1, sampled x share))``), 4-bit values
+    with stochastic rounding; the tier's error feedback keeps what the rounding drops (docs, Results,
+    Regimes: no accuracy cost on the regime table, about 20x fewer download bytes with 10 nodes).
+    ``sampled`` unknown (before the first round): ``none()``."""
+    share = getattr(getattr(fedcomp.build_codec(upload).reducer, "config", None), "ratio", None)
+    if not sampled or not share:
+        return SILO_DOWNLOAD
+    ratio = round(sampled * share, 6)
+    quantizer = f"kbit(bits={SILO_DOWNLOAD_BITS},stochastic=true)"
+    return quantizer if ratio >= 0.5 else f"topk(ratio={ratio:g})+{quantizer}"  # half: positions cost more than they save
 
 
 def _number(name: str, value, lo: float, hi: float = math.inf, *, lo_open: bool = False, allowed: str) -> float:
@@ -224,7 +241,7 @@ class CompressionConfig:
                 and fedcomp.cross_device_spec(self.upload) != self.upload)
 
     def resolve(self, *, partial: bool, numel: int | None = None, sparse_averse: bool = False,
-                robust_sketch: bool = False,
+                robust_sketch: bool = False, sampled: int | None = None,
                 robust_momentum: float = ROBUST_SERVER_MOMENTUM, robust_share: float = ROBUST_SKETCH_RATIO,
                 server_optimizer: str | None = None) -> "CompressionConfig":
         """This config with ``"auto"`` specs replaced for the regime (module docstring).
@@ -237,7 +254,8 @@ class CompressionConfig:
         (:func:`fedcomp.strategies.robust_sketch.robust_in_sketch_space`); ``robust_momentum``: its
         server momentum for ``server_momentum='auto'`` (:func:`~fedcomp.strategies.robust_sketch.robust_momentum`); ``robust_share``: its heavy
         hitters' share (:func:`~fedcomp.strategies.robust_sketch.robust_share`);
-        ``server_optimizer``: ``'adam'``, ``'yogi'`` or ``'adagrad'`` for Flower's FedAdam, FedYogi or
+        ``sampled``: the nodes sampled in the first training round (the cross-silo broadcast's share,
+        :func:`silo_download`; None before it); ``server_optimizer``: ``'adam'``, ``'yogi'`` or ``'adagrad'`` for Flower's FedAdam, FedYogi or
         FedAdagrad, whose step the wrapper runs on the accumulated update
         (:mod:`fedcomp.strategies.optimizer_sketch`): FetchSGD's server momentum stays 0 for them, and
         in cross-device FedYogi and FedAdagrad keep ``qsgd(bits=4)``. ``server_warmup='auto'`` is 1
@@ -276,7 +294,12 @@ class CompressionConfig:
         if self.download == AUTO:
             coupled = sketch and self.link_profile == links.NONE
             ratio = getattr(codec.reducer, "ratio", SKETCH_RATIO) if sketch else SKETCH_RATIO  # sketch's effective share
-            download = coupled_download(ratio, codec.reducer if sketch else None) if coupled else SILO_DOWNLOAD
+            if coupled:
+                download = coupled_download(ratio, codec.reducer if sketch else None)
+            elif upload == SILO_UPLOAD and self.upload == AUTO and not partial and not server_optimizer:
+                download = silo_download(sampled, upload)  # the averaging strategies' top-k, every node
+            else:
+                download = SILO_DOWNLOAD
         else:
             download = self.download
         momentum = self.server_momentum

@@ -27,7 +27,7 @@ def resolve(host: CompressedStrategy, sampled: int, connected: int, arrays: Arra
     numel = sum(int(v.numel()) for v in state.values() if v.is_floating_point())
     partial = sampled < connected
     host._use(host.requested.resolve(partial=partial, numel=numel, sparse_averse=host.sparse_averse,
-                                     robust_sketch=robust_in_sketch_space(host.inner, partial),
+                                     robust_sketch=robust_in_sketch_space(host.inner, partial), sampled=sampled,
                                      robust_momentum=robust_momentum(host.inner, partial),
                                      robust_share=robust_share(host.inner, partial),
                                      server_optimizer=variant_of(host.inner) if type(host.inner) in SERVER_OPTIMIZERS else None))

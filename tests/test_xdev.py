@@ -213,7 +213,9 @@ def test_auto_specs_follow_the_nodes_sampled_and_the_models_size(fraction, min_n
     numel = 64 * 60 + 64
     if regime == "silo":
         assert strategy.upload.spec.startswith("topk(ratio=0.02") and strategy.error_feedback
-        assert strategy.aggregation == "decode" and strategy.tiers[0].codec.spec == "none()"
+        # the broadcast: the aggregate's support (4 nodes x 2%), 4-bit, stochastic rounding
+        assert strategy.aggregation == "decode" and not strategy.config.coupled_download
+        assert strategy.tiers[0].codec.spec.startswith("topk(ratio=0.08,") and "kbit(bits=4" in strategy.tiers[0].codec.spec
         assert strategy.config.server_warmup == 1.0 and strategy.config.warmup is None
     else:
         assert strategy.upload.spec.startswith(f"sketch(rows=1,cols={math.ceil(0.068 * numel)},ratio={SKETCH_RATIO}")
@@ -398,3 +400,26 @@ def test_server_warmup_is_opt_in_and_reaches_the_servers_feedback(warmup, scale)
         assert strategy.config.server_warmup == 1.0 and feedback_warmup is None
     else:  # step size 4 in round 1, falling to 1 over 20 rounds
         assert (feedback_warmup.scale, feedback_warmup.rounds) == (scale, SKETCH_WARMUP_ROUNDS)
+
+
+@pytest.mark.parametrize("sampled, expected", [(None, "none()"), (1, "topk(ratio=0.02)+kbit(bits=4,stochastic=true)"),
+                                               (10, "topk(ratio=0.2)+kbit(bits=4,stochastic=true)"),
+                                               (25, "kbit(bits=4,stochastic=true)"), (100, "kbit(bits=4,stochastic=true)")])
+def test_silo_download_is_the_aggregates_support_at_4_bits(sampled, expected):
+    from fedcomp.strategies.config import silo_download
+
+    assert silo_download(sampled) == expected
+    assert silo_download(sampled, "kbit(bits=4)") == "none()"  # no top-k share: nothing to bound the support
+
+
+def test_silo_download_leaves_server_optimizers_and_written_specs_dense():
+    from flwr.serverapp.strategy import FedAdam
+
+    model = tiny_model(rows=64, cols=60)
+    adam = CompressedStrategy(FedAdam(fraction_train=1.0, min_available_nodes=2, min_train_nodes=2))
+    run_round(adam, model, _contexts(4), 1)
+    assert adam.upload.spec.startswith("topk(ratio=0.02") and adam.tiers[0].codec.spec == "none()"
+    written = CompressedStrategy(FedAvg(fraction_train=1.0, min_available_nodes=2, min_train_nodes=2),
+                                 upload="topk(ratio=0.02)+qsgd(bits=4)")
+    run_round(written, model, _contexts(4), 1)
+    assert written.tiers[0].codec.spec == "none()"  # a written upload: download 'auto' stays dense
