@@ -399,15 +399,21 @@ def _write_cli_config(home: Path, http_port: int, tls: TlsFiles | None) -> None:
     (home / "config.toml").write_text("\n".join(lines) + "\n")
 
 
-def _wait_port(port: int, proc: Proc, timeout: float) -> None:
+def _wait_port(port: int, proc: Proc, timeout: float, in_namespace: bool = False) -> None:
+    """Wait until ``proc`` listens on 127.0.0.1:``port``; ``in_namespace``: its own loopback (a node's
+    network namespace), which this process cannot reach: wait for the server's log line instead."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not proc.alive():
             raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.log()[-3000:]}")
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+        if in_namespace:
+            if f"running on http://127.0.0.1:{port}" in proc.log():
                 return
+        else:
+            with socket.socket() as s:
+                s.settimeout(0.5)
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
         time.sleep(0.2)
     raise RuntimeError(f"{proc.name} did not listen on 127.0.0.1:{port} within {timeout}s:\n{proc.log()[-3000:]}")
 
@@ -498,7 +504,7 @@ def start_supernode(
         superexec = (["flower-superexec"] if isolation == "process"
                      else [sys.executable, "-m", "fedcomp.clients.warm_exec", "--preload", WARM_PRELOAD])
         try:
-            _wait_port(runtime_port, proc, 60)
+            _wait_port(runtime_port, proc, 60, in_namespace=bool(dep.exec_prefix(index)))
             dep.extra.append(_spawn(
                 f"{name}-superexec",
                 [*dep.exec_prefix(index), *superexec, "--insecure", "--runtime-api-address", f"127.0.0.1:{runtime_port}",

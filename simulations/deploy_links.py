@@ -232,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=15.0, help="round-deadline-s of budgets and measured")
     parser.add_argument("--margin", type=float, default=0.01, help="target = dense final accuracy - margin")
     parser.add_argument("--run-config", default="", help="extra run config for every run")
+    parser.add_argument("--isolation", default="warm", choices=deploy.ISOLATIONS,
+                        help="who starts the ClientApps (deploy.start_supernode): warm (default: forked from a "
+                             "process with Flower and torch imported, fedcomp.clients.warm_exec), subprocess "
+                             "(Flower's default: a new interpreter per message) or process")
     parser.add_argument("--threads", type=int, default=1, help="OMP/MKL threads per ClientApp (0: torch's default)")
     parser.add_argument("--out", type=Path, default=Path("results/shaped-links"))
     parser.add_argument("--work", type=Path, default=Path("outputs/shaped-links"),
@@ -263,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     study: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "commit": _commit(), "argv": sys.argv, "supernodes": args.supernodes, "links_name": args.links,
                    "links": [link.describe() for link in links], "model": args.model, "deadline_s": args.deadline,
-                   "margin": args.margin, "runs": {}, "load_before": os.getloadavg()}
+                   "margin": args.margin, "isolation": args.isolation, "runs": {}, "load_before": os.getloadavg()}
     if args.resume and (out / "study.json").is_file():
         old = json.loads((out / "study.json").read_text())
         kept = {k: v for k, v in old["runs"].items() if v.get("returncode") == 0 and v.get("series")}
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resuming: kept {sorted(kept)} from {old.get('date')}; running {[name for name, _ in plan]}", flush=True)
     t0 = time.monotonic()
     with deploy.deployment(work / "deploy", args.supernodes, links=links, shaping=args.shaping,
-                           supernode_env=env) as dep:
+                           supernode_env=env, isolation=args.isolation) as dep:
         study["shaping"] = dep.shaping
         study["startup_s"] = time.monotonic() - t0
         nodes = dep.node_ids()

@@ -54,7 +54,7 @@ NUM_FEATURES = 64
 NUM_CLASSES = 10
 
 #: Models of the digits task (the default), accepted by :func:`build_model`.
-MODELS: tuple[str, ...] = ("mlp", "mlp-large")
+MODELS: tuple[str, ...] = ("mlp", "mlp-large", "mlp-xl")
 #: Models of the character tasks (the first suggested).
 CHAR_MODELS: tuple[str, ...] = ("char-lstm", "char-transformer")
 
@@ -112,6 +112,7 @@ def check_task_model(task: str, model: str) -> None:
 _HIDDEN: dict[str, tuple[int, ...]] = {
     "mlp": (512, 384),
     "mlp-large": (1024, 1024, 1024),
+    "mlp-xl": (2048, 2048, 2048),  # a model whose dense transfer outweighs a round's compute on slow links
 }
 
 # Minimum partition sizes tried in turn; the Dirichlet partitioner gives up
@@ -452,6 +453,7 @@ def build_model(name: str, seed: int, task: str = "digits") -> nn.Module:
     name : str
         digits: ``"mlp"``: 64-512-384-10 with ReLU (234,122 parameters).
         ``"mlp-large"``: 64-1024-1024-1024-10 with ReLU (2,176,010 parameters).
+        ``"mlp-xl"``: 64-2048-2048-2048-10 with ReLU (8,546,314 parameters).
         Image tasks: ``"cnn-bn"``, ``"resnet"``; character tasks: ``"char-lstm"``,
         ``"char-transformer"`` (see :mod:`fedcomp.simulations.models`).
     seed : int

@@ -185,7 +185,7 @@ def test_compressed_upload_smaller_than_dense_by_promised_factor():
 
 @pytest.mark.parametrize("key, value, message", [
     ("fraction-train", 0.0, "fraction-train=0.0 is invalid"),
-    ("model", "resnet", "one of ('mlp', 'mlp-large')"),
+    ("model", "resnet", "one of ('mlp', 'mlp-large', 'mlp-xl')"),
     ("lr", -1.0, "lr=-1.0 is invalid"),
     ("error-feedback", "yes", "true or false"),
     ("num-server-rounds", 0, "positive integer"),

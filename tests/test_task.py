@@ -83,9 +83,10 @@ def _num_params(model: torch.nn.Module) -> int:
 
 
 def test_model_sizes_and_seeding():
-    assert task.MODELS == ("mlp", "mlp-large")
+    assert task.MODELS == ("mlp", "mlp-large", "mlp-xl")
     assert _num_params(task.build_model("mlp", 0)) == 234_122
     assert _num_params(task.build_model("mlp-large", 0)) == 2_176_010
+    assert _num_params(task.build_model("mlp-xl", 0)) == 8_546_314
     state = torch.random.get_rng_state()
     a, b, c = (task.build_model("mlp", s) for s in (1, 1, 2))
     assert torch.equal(state, torch.random.get_rng_state())  # global RNG untouched
