@@ -13,7 +13,7 @@ when the number of connected nodes, the number sampled and the model's size are 
 * every node in every round (cross-silo, e.g. ``fraction_train=1``): upload
   ``topk(ratio=0.02)+qsgd(bits=4)`` with client error feedback, download the aggregate's support
   at 4 bits (:func:`silo_download`: ``topk(ratio=0.02 x nodes)+kbit(bits=4,stochastic=true)``;
-  ``none()`` for the server optimizers);
+  ``none()`` for the server optimizers and FedAvgM, whose steps are dense);
 * a fraction of the nodes per round (cross-device, ``fraction_train < 1``): upload
   ``sketch(rows=1, cols=ceil(0.068 n), ratio=0.007)+qsgd(bits=4)`` (n = float parameters) with
   server-side error feedback (``aggregation="sketch"``, clients stateless) and server momentum 0.5
@@ -38,7 +38,7 @@ Robust strategies whose aggregate is translation equivariant (FedMedian, FedTrim
 MultiKrum, Bulyan: ``robust_sketch``) aggregate in sketch space in every regime
 (:mod:`fedcomp.strategies.robust_sketch`): upload ``sketch(rows=1, cols=ceil(0.068 n),
 ratio=0.05)+qsgd(bits=4)``, the strategy's own aggregate over the clients' tables, FetchSGD's
-server step with momentum 0.9 (``server_momentum="auto"``), coupled download
+server step with momentum 0.9, 0 for a model with recurrent layers (``server_momentum="auto"``), coupled download
 ``cells(cols=<the sketch's>)+kbit(bits=4,stochastic=true)`` (the Krum family: a 0.1 share, one client's table
 a round, in every regime); in cross-device the others take the averaging strategies' share
 and momentum, the Krum family momentum 0 (momentum carried the rounds an
@@ -103,10 +103,10 @@ def coupled_download(ratio: float = SKETCH_RATIO, sketch=None) -> str:
 
 def silo_download(sampled: int | None, upload: str = SILO_UPLOAD) -> str:
     """The cross-silo broadcast when every node sends ``upload``'s top-k: the aggregate's support, at most
-    ``sampled`` clients' shares of coordinates (``topk(ratio=min(1, sampled x share))``), 4-bit values
-    with stochastic rounding; the tier's error feedback keeps what the rounding drops (docs, Results,
-    Regimes: no accuracy cost on the regime table, about 20x fewer download bytes with 10 nodes).
-    ``sampled`` unknown (before the first round): ``none()``."""
+    ``sampled`` clients' shares of coordinates (``topk(ratio=sampled x share)``; from half of the
+    coordinates on, all of them: ``kbit`` alone), 4-bit values with stochastic rounding; the tier's
+    error feedback keeps what the rounding drops (docs, Results, Regimes: about 20x fewer download
+    bytes with 10 nodes, no accuracy cost on digits and cnn-bn). ``sampled`` unknown: ``none()``."""
     share = getattr(getattr(fedcomp.build_codec(upload).reducer, "config", None), "ratio", None)
     if not sampled or not share:
         return SILO_DOWNLOAD
@@ -241,7 +241,7 @@ class CompressionConfig:
                 and fedcomp.cross_device_spec(self.upload) != self.upload)
 
     def resolve(self, *, partial: bool, numel: int | None = None, sparse_averse: bool = False,
-                robust_sketch: bool = False, sampled: int | None = None,
+                robust_sketch: bool = False, support_nodes: int | None = None,
                 robust_momentum: float = ROBUST_SERVER_MOMENTUM, robust_share: float = ROBUST_SKETCH_RATIO,
                 server_optimizer: str | None = None) -> "CompressionConfig":
         """This config with ``"auto"`` specs replaced for the regime (module docstring).
@@ -254,8 +254,9 @@ class CompressionConfig:
         (:func:`fedcomp.strategies.robust_sketch.robust_in_sketch_space`); ``robust_momentum``: its
         server momentum for ``server_momentum='auto'`` (:func:`~fedcomp.strategies.robust_sketch.robust_momentum`); ``robust_share``: its heavy
         hitters' share (:func:`~fedcomp.strategies.robust_sketch.robust_share`);
-        ``sampled``: the nodes sampled in the first training round (the cross-silo broadcast's share,
-        :func:`silo_download`; None before it); ``server_optimizer``: ``'adam'``, ``'yogi'`` or ``'adagrad'`` for Flower's FedAdam, FedYogi or
+        ``support_nodes``: the nodes whose top-k make up the cross-silo broadcast's support (the nodes
+        sampled in the first training round, :func:`silo_download`; None: a dense broadcast, before
+        that round and for strategies whose step is dense, FedAvgM); ``server_optimizer``: ``'adam'``, ``'yogi'`` or ``'adagrad'`` for Flower's FedAdam, FedYogi or
         FedAdagrad, whose step the wrapper runs on the accumulated update
         (:mod:`fedcomp.strategies.optimizer_sketch`): FetchSGD's server momentum stays 0 for them, and
         in cross-device FedYogi and FedAdagrad keep ``qsgd(bits=4)``. ``server_warmup='auto'`` is 1
@@ -297,7 +298,7 @@ class CompressionConfig:
             if coupled:
                 download = coupled_download(ratio, codec.reducer if sketch else None)
             elif upload == SILO_UPLOAD and self.upload == AUTO and not partial and not server_optimizer:
-                download = silo_download(sampled, upload)  # the averaging strategies' top-k, every node
+                download = silo_download(support_nodes, upload)  # the averaging strategies' top-k, every node
             else:
                 download = SILO_DOWNLOAD
         else:

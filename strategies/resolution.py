@@ -7,10 +7,12 @@ from logging import INFO, WARNING
 
 from flwr.app import ArrayRecord
 from flwr.common import log
+from flwr.serverapp.strategy import FedAvgM
 
 from fedcomp.strategies.config import AUTO, DENSE_UPLOAD
 from fedcomp.strategies.optimizer_sketch import SERVER_OPTIMIZERS, variant_of
-from fedcomp.strategies.robust_sketch import robust_in_sketch_space, robust_momentum, robust_share
+from fedcomp.strategies.robust_sketch import (has_recurrent_layers, robust_in_sketch_space, robust_momentum,
+                                               robust_share)
 
 
 XDEV_SHARE = 0.1  # a sparsifier's share from which client residuals hold in cross-device (docs: Results)
@@ -27,8 +29,9 @@ def resolve(host: CompressedStrategy, sampled: int, connected: int, arrays: Arra
     numel = sum(int(v.numel()) for v in state.values() if v.is_floating_point())
     partial = sampled < connected
     host._use(host.requested.resolve(partial=partial, numel=numel, sparse_averse=host.sparse_averse,
-                                     robust_sketch=robust_in_sketch_space(host.inner, partial), sampled=sampled,
-                                     robust_momentum=robust_momentum(host.inner, partial),
+                                     robust_sketch=robust_in_sketch_space(host.inner, partial),
+                                     support_nodes=None if isinstance(host.inner, FedAvgM) else sampled,  # its momentum: a dense step
+                                     robust_momentum=robust_momentum(host.inner, partial, has_recurrent_layers(state)),
                                      robust_share=robust_share(host.inner, partial),
                                      server_optimizer=variant_of(host.inner) if type(host.inner) in SERVER_OPTIMIZERS else None))
     if host.requested.auto:

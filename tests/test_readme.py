@@ -134,7 +134,9 @@ def test_regime_table_states_the_code_defaults():
 
     rows = {line.split("|")[1].strip(): line for line in README.splitlines() if line.startswith("| ")}
     silo = rows["every node every round (cross-silo)"]
-    assert f"`{config.SILO_UPLOAD}`" in silo and f"`{config.SILO_DOWNLOAD}`" in silo
+    assert f"`{config.SILO_UPLOAD}`" in silo
+    assert config.silo_download(10) == "topk(ratio=0.2)+kbit(bits=4,stochastic=true)"
+    assert "`topk(ratio=0.2)+kbit(bits=4,stochastic=true)` with 10 nodes" in silo and f"`{config.SILO_DOWNLOAD}`" in silo
     xdev = rows["a fraction of the nodes per round (cross-device)"]
     assert f"cols=ceil({config.SKETCH_COLS_PER_PARAM} n),ratio={config.SKETCH_RATIO}" in xdev
     assert "`cells(cols=ceil(0.068 n))+kbit(bits=4,stochastic=true)`" in xdev

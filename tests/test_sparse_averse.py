@@ -137,3 +137,22 @@ def test_median_of_sparse_updates_stays_put_and_dense_updates_move():
     assert moved["topk(ratio=0.01)+qsgd(bits=4)"] <= 0.01 * tiny_model()["w"].numel()
     assert moved[DENSE_UPLOAD] >= 0.5 * tiny_model()["w"].numel()  # qsgd rounds some small values to 0
     assert torch.isfinite(new["w"]).all()
+
+
+@pytest.mark.parametrize("make", [fs.FedMedian, fs.Krum])
+def test_robust_strategies_drop_server_momentum_on_recurrent_models_cross_silo(make):
+    """Every node every round, momentum 0.9 in sketch space diverged on an LSTM (docs: Results,
+    Regimes): a model with recurrent layers gets 0; cross-device keeps the regime's."""
+    from fedcomp.strategies.robust_sketch import has_recurrent_layers
+
+    lstm = {k: v.detach().clone() for k, v in torch.nn.LSTM(8, 16).state_dict().items()}
+    lstm["out.weight"] = torch.randn(4, 16)
+    assert has_recurrent_layers(lstm) and not has_recurrent_layers(tiny_model())
+    contexts = {n: node_context(n) for n in range(1, 5)}
+    for model, momentum in ((lstm, 0.0), (tiny_model(), ROBUST_SERVER_MOMENTUM)):
+        strategy = CompressedStrategy(make(fraction_train=1.0, min_available_nodes=4, min_train_nodes=4))
+        run_round(strategy, model, contexts, 1)
+        assert strategy.aggregation == "sketch" and strategy.config.momentum == momentum
+    xdev = CompressedStrategy(fs.FedMedian(fraction_train=0.5, min_available_nodes=4, min_train_nodes=2))
+    run_round(xdev, lstm, contexts, 1)
+    assert xdev.config.momentum == SKETCH_SERVER_MOMENTUM

@@ -423,3 +423,11 @@ def test_silo_download_leaves_server_optimizers_and_written_specs_dense():
                                  upload="topk(ratio=0.02)+qsgd(bits=4)")
     run_round(written, model, _contexts(4), 1)
     assert written.tiers[0].codec.spec == "none()"  # a written upload: download 'auto' stays dense
+
+
+def test_silo_download_stays_dense_for_fedavgm():
+    from flwr.serverapp.strategy import FedAvgM
+
+    strategy = CompressedStrategy(FedAvgM(fraction_train=1.0, min_available_nodes=2, min_train_nodes=2))
+    run_round(strategy, tiny_model(rows=64, cols=60), _contexts(4), 1)
+    assert strategy.upload.spec.startswith("topk(ratio=0.02") and strategy.tiers[0].codec.spec == "none()"
