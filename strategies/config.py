@@ -14,6 +14,9 @@ when the number of connected nodes, the number sampled and the model's size are 
   ``topk(ratio=0.02)+qsgd(bits=4)`` with client error feedback, download the aggregate's support
   at 4 bits (:func:`silo_download`: ``topk(ratio=0.02 x nodes)+kbit(bits=4,stochastic=true)``;
   ``none()`` for the server optimizers and FedAvgM, whose steps are dense);
+* every node in every round, a model with recurrent layers (LSTM, GRU, RNN; averaging strategies,
+  not the server optimizers): FetchSGD as below at a 0.1 share
+  (:data:`RECURRENT_SKETCH_RATIO`) without server momentum, the coupled download;
 * a fraction of the nodes per round (cross-device, ``fraction_train < 1``): upload
   ``sketch(rows=1, cols=ceil(0.068 n), ratio=0.007)+qsgd(bits=4)`` (n = float parameters) with
   server-side error feedback (``aggregation="sketch"``, clients stateless) and server momentum 0.5
@@ -78,6 +81,7 @@ SKETCH_SERVER_MOMENTUM = 0.5  # FetchSGD's rho for the auto cross-device sketch 
 SKETCH_WARMUP_ROUNDS = 20  # server_warmup: rounds over which FetchSGD's step size falls to 1 (docs: Results, Slow start)
 DENSE_CROSS_DEVICE_OPTIMIZERS = ("yogi", "adagrad")  # the sketch cost them accuracy cross-device (docs: Results, Server optimizers)
 OPTIMIZER_SKETCH_RATIO = 0.05  # FedAdam/FedYogi/FedAdagrad in cross-device: 0.02 lost points on char-lstm, smaller ones on digits (docs: Results, Regimes)
+RECURRENT_SKETCH_RATIO = 0.1  # every node every round, a model with recurrent layers: FetchSGD at this share, momentum 0 (docs: Results, Regimes)
 ROBUST_SKETCH_RATIO = 0.05  # robust strategies in sketch space, cross-silo: the heavy hitters' share (docs: Results, Robust)
 SELECTING_SKETCH_RATIO = 0.1  # the Krum family's, every regime: one client's table a round (docs: Results, Robust, Regimes)
 ROBUST_SERVER_MOMENTUM = 0.9  # their server momentum in sketch space ('auto'; docs: Results, Robust)
@@ -241,7 +245,7 @@ class CompressionConfig:
                 and fedcomp.cross_device_spec(self.upload) != self.upload)
 
     def resolve(self, *, partial: bool, numel: int | None = None, sparse_averse: bool = False,
-                robust_sketch: bool = False, support_nodes: int | None = None,
+                robust_sketch: bool = False, support_nodes: int | None = None, recurrent: bool = False,
                 robust_momentum: float = ROBUST_SERVER_MOMENTUM, robust_share: float = ROBUST_SKETCH_RATIO,
                 server_optimizer: str | None = None) -> "CompressionConfig":
         """This config with ``"auto"`` specs replaced for the regime (module docstring).
@@ -254,6 +258,9 @@ class CompressionConfig:
         (:func:`fedcomp.strategies.robust_sketch.robust_in_sketch_space`); ``robust_momentum``: its
         server momentum for ``server_momentum='auto'`` (:func:`~fedcomp.strategies.robust_sketch.robust_momentum`); ``robust_share``: its heavy
         hitters' share (:func:`~fedcomp.strategies.robust_sketch.robust_share`);
+        ``recurrent``: the model has recurrent layers (LSTM, GRU, RNN): every node every round, the
+        averaging strategies take FetchSGD at :data:`RECURRENT_SKETCH_RATIO` without server momentum
+        (top-k 2% with client residuals lost 5 points on an LSTM; docs, Results, Regimes);
         ``support_nodes``: the nodes whose top-k make up the cross-silo broadcast's support (the nodes
         sampled in the first training round, :func:`silo_download`; None: a dense broadcast, before
         that round and for strategies whose step is dense, FedAvgM); ``server_optimizer``: ``'adam'``, ``'yogi'`` or ``'adagrad'`` for Flower's FedAdam, FedYogi or
@@ -273,7 +280,8 @@ class CompressionConfig:
                 self, server_momentum=0.0 if self.server_momentum == AUTO else self.server_momentum,
                 server_warmup=1.0 if self.server_warmup == AUTO else self.server_warmup)
         budgets = self.link_profile != links.NONE or self.round_deadline_s or self.delta
-        sketchable = ((self.aggregation == "sketch" or (partial and self.aggregation == AUTO))
+        recurrent_silo = recurrent and not partial and not server_optimizer  # FedAdam held with top-k there
+        sketchable = ((self.aggregation == "sketch" or ((partial or recurrent_silo) and self.aggregation == AUTO))
                       and not budgets)  # BatchNorm statistics travel exact beside the sketch (Aggregation)
         fetchsgd_auto = False  # 'auto' resolved to FetchSGD for an averaging strategy: its server momentum
         robust = (self.upload == AUTO and robust_sketch and self.aggregation in (AUTO, "sketch")
@@ -284,7 +292,8 @@ class CompressionConfig:
                 sparse_averse or (partial and server_optimizer in DENSE_CROSS_DEVICE_OPTIMIZERS)):
             upload = DENSE_UPLOAD
         elif self.upload == AUTO:
-            share = OPTIMIZER_SKETCH_RATIO if server_optimizer else SKETCH_RATIO
+            share = (OPTIMIZER_SKETCH_RATIO if server_optimizer else RECURRENT_SKETCH_RATIO if recurrent_silo
+                     else SKETCH_RATIO)
             upload = cross_device_upload(numel or PLACEHOLDER_PARAMS, share) if sketchable else SILO_UPLOAD
             fetchsgd_auto = sketchable and not server_optimizer
         else:
@@ -305,7 +314,8 @@ class CompressionConfig:
             download = self.download
         momentum = self.server_momentum
         if momentum == AUTO:
-            momentum = robust_momentum if robust else SKETCH_SERVER_MOMENTUM if fetchsgd_auto else 0.0
+            momentum = (robust_momentum if robust else 0.0 if recurrent_silo
+                        else SKETCH_SERVER_MOMENTUM if fetchsgd_auto else 0.0)
         warmup = 1.0 if self.server_warmup == AUTO else self.server_warmup  # opt-in (the class docstring)
         return dataclasses.replace(self, upload=upload, download=download, coupled_download=coupled,
                                    server_momentum=momentum, server_warmup=warmup)

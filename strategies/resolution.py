@@ -28,11 +28,13 @@ def resolve(host: CompressedStrategy, sampled: int, connected: int, arrays: Arra
     state = arrays.to_torch_state_dict()
     numel = sum(int(v.numel()) for v in state.values() if v.is_floating_point())
     partial = sampled < connected
+    recurrent = has_recurrent_layers(state)
     host._use(host.requested.resolve(partial=partial, numel=numel, sparse_averse=host.sparse_averse,
+                                     recurrent=recurrent,
                                      robust_sketch=robust_in_sketch_space(host.inner, partial),
                                      support_nodes=None if isinstance(host.inner, FedAvgM) else sampled,  # its momentum: a dense step
-                                     robust_momentum=robust_momentum(host.inner, partial, has_recurrent_layers(state)),
-                                     robust_share=robust_share(host.inner, partial),
+                                     robust_momentum=robust_momentum(host.inner, partial, recurrent),
+                                     robust_share=robust_share(host.inner, partial, recurrent),
                                      server_optimizer=variant_of(host.inner) if type(host.inner) in SERVER_OPTIMIZERS else None))
     if host.requested.auto:
         warn_biased(host)

@@ -30,8 +30,8 @@ from flwr.serverapp.strategy import Bulyan, FedMedian, FedTrimmedAvg, Krum, Mult
 from fedcomp.errors import DecodeError
 from fedcomp.layout import Layout
 from fedcomp.server_feedback import ServerFeedback
-from fedcomp.strategies.config import (ROBUST_SERVER_MOMENTUM, ROBUST_SKETCH_RATIO, SELECTING_SKETCH_RATIO,
-                                       SKETCH_RATIO, SKETCH_SERVER_MOMENTUM)
+from fedcomp.strategies.config import (RECURRENT_SKETCH_RATIO, ROBUST_SERVER_MOMENTUM, ROBUST_SKETCH_RATIO,
+                                       SELECTING_SKETCH_RATIO, SKETCH_RATIO, SKETCH_SERVER_MOMENTUM)
 
 # aggregate_train of these is translation equivariant and reads nothing but the replies' arrays and
 # weights: it can aggregate the clients' update tables directly
@@ -50,15 +50,18 @@ def robust_in_sketch_space(strategy: Strategy, partial: bool = False) -> bool:
     return isinstance(strategy, SKETCH_ROBUST)
 
 
-def robust_share(strategy: Strategy, partial: bool) -> float:
+def robust_share(strategy: Strategy, partial: bool, recurrent: bool = False) -> float:
     """The heavy hitters' share of a robust strategy's sketch (``upload='auto'``): 0.1 for the
     selecting ones (:data:`SELECTING`: one client's table a round) in every regime (in cross-device
     the averaging strategies' 0.007 lost 3 points for Krum, 0.1 gained 2.8 at 58x downloads: docs,
     Results, Regimes); for the others 0.05, or with a fraction of the nodes a round the averaging
-    strategies' share."""
+    strategies' share; every node every round on a model with recurrent layers (``recurrent``)
+    0.1, as the averaging strategies there (:data:`~fedcomp.strategies.config.RECURRENT_SKETCH_RATIO`)."""
     if isinstance(strategy, SELECTING):
         return SELECTING_SKETCH_RATIO
-    return SKETCH_RATIO if partial else ROBUST_SKETCH_RATIO
+    if partial:
+        return SKETCH_RATIO
+    return RECURRENT_SKETCH_RATIO if recurrent else ROBUST_SKETCH_RATIO
 
 
 def has_recurrent_layers(names) -> bool:

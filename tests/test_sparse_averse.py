@@ -153,6 +153,8 @@ def test_robust_strategies_drop_server_momentum_on_recurrent_models_cross_silo(m
         strategy = CompressedStrategy(make(fraction_train=1.0, min_available_nodes=4, min_train_nodes=4))
         run_round(strategy, model, contexts, 1)
         assert strategy.aggregation == "sketch" and strategy.config.momentum == momentum
+        share = 0.1 if momentum == 0.0 or make is fs.Krum else ROBUST_SKETCH_RATIO  # recurrent: 0.1 for all
+        assert f"ratio={share})" in strategy.config.upload
     xdev = CompressedStrategy(fs.FedMedian(fraction_train=0.5, min_available_nodes=4, min_train_nodes=2))
     run_round(xdev, lstm, contexts, 1)
     assert xdev.config.momentum == SKETCH_SERVER_MOMENTUM

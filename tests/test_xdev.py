@@ -431,3 +431,24 @@ def test_silo_download_stays_dense_for_fedavgm():
     strategy = CompressedStrategy(FedAvgM(fraction_train=1.0, min_available_nodes=2, min_train_nodes=2))
     run_round(strategy, tiny_model(rows=64, cols=60), _contexts(4), 1)
     assert strategy.upload.spec.startswith("topk(ratio=0.02") and strategy.tiers[0].codec.spec == "none()"
+
+
+def test_recurrent_models_take_fetchsgd_cross_silo():
+    """Every node every round, a model with recurrent layers: the averaging strategies take FetchSGD
+    at a 0.1 share without server momentum (top-k 2% lost 5 points on an LSTM; docs: Results,
+    Regimes); FedAdam keeps its top-k; a model without them keeps the silo defaults."""
+    from fedcomp.strategies.config import RECURRENT_SKETCH_RATIO
+
+    lstm = {k: v.detach().clone() for k, v in torch.nn.LSTM(8, 16).state_dict().items()}
+    lstm["out.weight"] = torch.randn(4, 16)
+    avg = CompressedStrategy(FedAvg(fraction_train=1.0, min_available_nodes=2, min_train_nodes=2))
+    run_round(avg, lstm, _contexts(4), 1)
+    assert avg.aggregation == "sketch" and f"ratio={RECURRENT_SKETCH_RATIO})" in avg.config.upload
+    assert avg.config.momentum == 0.0 and avg.config.coupled_download
+    assert avg.tiers[0].codec.spec.startswith("cells(")
+    adam = CompressedStrategy(FedAdam(fraction_train=1.0, min_available_nodes=2, min_train_nodes=2))
+    run_round(adam, lstm, _contexts(4), 1)
+    assert adam.aggregation == "decode" and adam.upload.spec.startswith("topk(ratio=0.02")
+    mlp = CompressedStrategy(FedAvg(fraction_train=1.0, min_available_nodes=2, min_train_nodes=2))
+    run_round(mlp, tiny_model(rows=64, cols=60), _contexts(4), 1)
+    assert mlp.aggregation == "decode" and mlp.upload.spec.startswith("topk(ratio=0.02")
