@@ -301,6 +301,7 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
         raise ModError(f"fedcomp could not place this node in a download tier: {exc}; check the node config's "
                        f"download-tier, downlink-kbps and partition-id") from exc
     seeded = False
+    held_info = state.reference_info  # for the resync's reason
     try:
         base, base_info = _held_for(state, plan, cfg, context, initial_model)
         seeded = base is not state.reference  # started from the seeded round-0 model
@@ -309,8 +310,14 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
         state.reference, state.reference_info = None, None
         reason = str(exc) if isinstance(exc, ResyncNeeded) else f"broadcast did not decode: {exc}"
         if seeded and isinstance(exc, ResyncNeeded) and "chain's base" in reason:
-            reason += (". This node's seeded round-0 model is not the server's initial model: the ServerApp's "
-                       "initial_arrays must be the model initial_model builds from the same seed (seeded_init)")
+            if held_info is not None:  # it held a reference, another than the chain's base: a step it missed
+                reason += (f". This node held tier {held_info[0]} round {held_info[1]} (CRC 0x{held_info[2]:08x}), "
+                           f"not the chain's base: its state missed a broadcast (or did not persist between rounds)")
+            elif plan["rounds"] and min(plan["rounds"]) == 1:  # the chain starts at round 0: the seeded model
+                reason += (". This node's seeded round-0 model is not the server's initial model: the ServerApp's "
+                           "initial_arrays must be the model initial_model builds from the same seed (seeded_init)")
+            else:
+                reason += ". This node held no reference (its state was empty) and the chain does not start at round 0"
         record = {P.RESYNC: reason, P.WANT_TIER: want}
         if link is not None:  # no training, but the round still cost this node its download
             record.update({P.LINK: link.describe(), P.BUDGET: -1, P.DOWNLOAD_SEEN: download_seen,

@@ -100,3 +100,29 @@ def test_seeded_start_on_another_model_names_the_cause():
         reply = mod(msg, node_context(node), shift_trainer(node, 1))
         reason = str(reply.content.config_records[P.UPLOAD_RECORD][P.RESYNC])
         assert "not the chain's base" in reason and "initial_arrays" in reason, reason
+
+
+def test_a_node_whose_state_was_lost_is_told_so_not_blamed_on_the_seed():
+    """A node that trained in rounds 1-2 but comes to round 3 with an empty Context.state (a lost
+    state push) resyncs, and the reason says its state was empty, not that the seed is wrong."""
+    from flwr.app import ConfigRecord
+
+    from conftest import FakeGrid, shift_trainer
+    from fedcomp import protocol as P
+    from fedcomp.clients import make_compression_mod
+
+    strategy = _strategy(2, seeded_init=True, download="topk(ratio=0.1)+kbit(bits=8)")
+    mod = make_compression_mod(initial_model=lambda context: tiny_model(seed=0))
+    contexts = {n: node_context(n) for n in (1, 2)}
+    model = ArrayRecord(tiny_model(seed=0))
+    for rnd in (1, 2, 3):
+        if rnd == 3:
+            contexts = {n: node_context(n) for n in (1, 2)}  # the state of round 2 did not persist
+        messages = list(strategy.configure_train(rnd, model, ConfigRecord({}), FakeGrid([1, 2])))
+        replies = [mod(m, contexts[m.metadata.dst_node_id], shift_trainer(m.metadata.dst_node_id, rnd))
+                   for m in messages]
+        if rnd < 3:
+            assert all(P.RESYNC not in r.content.config_records[P.UPLOAD_RECORD] for r in replies)
+            model, _ = strategy.aggregate_train(rnd, replies)
+    reasons = [str(r.content.config_records[P.UPLOAD_RECORD].get(P.RESYNC, "")) for r in replies]
+    assert reasons and all("state was empty" in x and "initial_arrays" not in x for x in reasons), reasons
