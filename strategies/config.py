@@ -109,8 +109,8 @@ def silo_download(sampled: int | None, upload: str = SILO_UPLOAD) -> str:
     """The cross-silo broadcast when every node sends ``upload``'s top-k: the aggregate's support, at most
     ``sampled`` clients' shares of coordinates (``topk(ratio=sampled x share)``; from half of the
     coordinates on, all of them: ``kbit`` alone), 4-bit values with stochastic rounding; the tier's
-    error feedback keeps what the rounding drops (docs, Results, Regimes: about 20x fewer download
-    bytes with 10 nodes, no accuracy cost on digits and cnn-bn). ``sampled`` unknown: ``none()``."""
+    error feedback keeps what the rounding drops (the figures: docs, Results, Regimes). ``sampled``
+    unknown: ``none()``."""
     share = getattr(getattr(fedcomp.build_codec(upload).reducer, "config", None), "ratio", None)
     if not sampled or not share:
         return SILO_DOWNLOAD
@@ -260,7 +260,7 @@ class CompressionConfig:
         hitters' share (:func:`~fedcomp.strategies.robust_sketch.robust_share`);
         ``recurrent``: the model has recurrent layers (LSTM, GRU, RNN): every node every round, the
         averaging strategies take FetchSGD at :data:`RECURRENT_SKETCH_RATIO` without server momentum
-        (top-k 2% with client residuals lost 5 points on an LSTM; docs, Results, Regimes);
+        (top-k 2% with client residuals lagged on an LSTM; docs, Results, Regimes);
         ``support_nodes``: the nodes whose top-k make up the cross-silo broadcast's support (the nodes
         sampled in the first training round, :func:`silo_download`; None: a dense broadcast, before
         that round and for strategies whose step is dense, FedAvgM); ``server_optimizer``: ``'adam'``, ``'yogi'`` or ``'adagrad'`` for Flower's FedAdam, FedYogi or

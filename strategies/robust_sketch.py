@@ -75,8 +75,7 @@ def robust_momentum(strategy: Strategy, partial: bool, recurrent: bool = False) 
     with a fraction of the nodes a round 0 for the selecting ones (:data:`SELECTING`) and the
     averaging strategies' cross-device momentum for the others; every node every round the robust
     one (0.9), or 0 for a model with recurrent layers (``recurrent``, :func:`has_recurrent_layers`:
-    on an LSTM 0.9 diverged, FedMedian -21.8 and Krum -9.7 points, 0 held Krum within -1.1; docs,
-    Results, Regimes)."""
+    0.9 diverged on an LSTM; the figures: docs, Results, Regimes)."""
     if not partial:
         return 0.0 if recurrent else ROBUST_SERVER_MOMENTUM
     return 0.0 if isinstance(strategy, SELECTING) else SKETCH_SERVER_MOMENTUM
