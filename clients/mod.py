@@ -195,7 +195,10 @@ def make_compression_mod(initial_model: InitialModel | None = None):
             if msg.metadata.message_type.split(".")[0] == MessageType.TRAIN:
                 _warn_unwrapped(context)
             return call_next(msg, context)
-        state = ClientState.load(context)
+        try:
+            state = ClientState.load(context)
+        except ValueError as exc:  # a node config the state cannot be kept under
+            return Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, str(exc)), reply_to=msg)
         try:
             return _round(msg, context, call_next, state, initial_model)
         except ModError as exc:

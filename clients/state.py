@@ -6,14 +6,32 @@ message; the mod works on the fields; ``save`` writes back only the fields it as
 set to None removes its key). The keys are those of :mod:`fedcomp.protocol` (unchanged from the
 ad hoc keys of earlier versions, so a node's state survives an upgrade). Tensors are kept on
 the CPU; the mod moves them to its device.
+
+Where the fields live (:func:`state_file`): in a simulation, in ``Context.state`` itself. In a
+deployment (a ClientApp process that a SuperNode started for this node) they live in one file
+per node and run, written before the reply leaves, and ``Context.state`` keeps only a pointer
+to it. Flower 1.39 stores a ClientApp's ``Context`` when the process pushes it at exit, *after*
+its reply: when the next round's message comes back sooner than a large state is pushed (a
+compressed round is short, a model's reference and residual are two dense copies), the next
+ClientApp is handed the state from before, and the node's reference no longer matches the
+server's chain (a resync: a full model next round, the round's update lost). The file is
+written before the reply exists, so the next round always reads it. The node config key
+``fedcomp-state-dir`` picks the folder (``"context"``: keep the fields in ``Context.state``),
+in a simulation too.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+import time
 from dataclasses import dataclass, field, fields
+from logging import WARNING
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.common.logger import log
 
 from fedcomp import protocol as P
 
@@ -28,6 +46,97 @@ def _arrays(context: Context, key: str) -> Tensors | None:
 def _config(context: Context, key: str) -> ConfigRecord | None:
     records = context.state.config_records
     return records[key] if key in records else None
+
+
+STATE_DIR_KEY = "fedcomp-state-dir"  # node config: the state file's folder, or "context"
+STATE_FILE = "fedcomp.state-file"  # Context.state: ConfigRecord {"path", "saves"} (deployment)
+STATE_FILE_FORMAT = 1
+STALE_SECONDS = 7 * 24 * 3600  # a run folder untouched this long is removed when a node starts another run
+
+
+def default_state_dir() -> Path:
+    """``$FEDCOMP_STATE_DIR``, else ``$XDG_CACHE_HOME/fedcomp/client-state`` (``~/.cache`` by default)."""
+    if os.environ.get("FEDCOMP_STATE_DIR"):
+        return Path(os.environ["FEDCOMP_STATE_DIR"])
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "fedcomp" / "client-state"
+
+
+def _deployed_for(context: Context) -> bool:
+    """True in a ClientApp process a SuperNode started for this context's node (Flower sets the
+    process's task identity to the node); False in a simulation (there it names the SuperLink)."""
+    try:
+        from flwr.common.constant import SUPERLINK_NODE_ID
+        from flwr.supercore.task_identity import TaskIdentity
+
+        return int(TaskIdentity.node_id) == int(context.node_id) != SUPERLINK_NODE_ID
+    except (ImportError, RuntimeError, AttributeError, TypeError, ValueError):
+        return False
+
+
+def state_file(context: Context) -> Path | None:
+    """The file this node's state lives in, or None to keep it in ``Context.state``.
+
+    Node config ``fedcomp-state-dir``: a folder (any engine), or ``"context"``. Without it: the
+    :func:`default_state_dir` in a deployment, ``Context.state`` in a simulation.
+    """
+    chosen = context.node_config.get(STATE_DIR_KEY) if context.node_config else None
+    if chosen is not None:
+        if not isinstance(chosen, str) or not chosen.strip():
+            raise ValueError(f"node config {STATE_DIR_KEY}={chosen!r}: expected a folder path or 'context'")
+        if chosen.strip() == "context":
+            return None
+        root = Path(chosen).expanduser()
+    elif _deployed_for(context):
+        root = default_state_dir()
+    else:
+        return None
+    return root / f"run-{int(context.run_id)}" / f"node-{int(context.node_id)}.pt"
+
+
+def _remove_stale_runs(path: Path) -> None:
+    """Remove sibling run folders untouched for :data:`STALE_SECONDS` (best effort)."""
+    now = time.time()
+    for run_dir in path.parent.parent.glob("run-*"):
+        try:
+            if run_dir != path.parent and now - run_dir.stat().st_mtime > STALE_SECONDS:
+                for f in run_dir.iterdir():
+                    f.unlink()
+                run_dir.rmdir()
+        except OSError:
+            pass
+
+
+def _read_file(path: Path) -> dict:
+    """The fields saved in ``path`` ({} where there is none; a warning where it is unreadable)."""
+    if not path.exists():
+        return {}
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(saved, dict) or saved.get("format") != STATE_FILE_FORMAT:
+            raise ValueError(f"not a fedcomp state file of format {STATE_FILE_FORMAT}")
+        return dict(saved["fields"])
+    except Exception as exc:  # noqa: BLE001 -- an unreadable file is an empty state (a resync), said aloud
+        log(WARNING, "fedcomp: the node's state file %s could not be read (%s: %s); starting from an "
+            "empty state (the server sends the full model next round)", path, type(exc).__name__, exc)
+        return {}
+
+
+def _write_file(path: Path, values: dict) -> None:
+    """Write ``values`` to ``path`` atomically (a temporary file in the folder, then a rename)."""
+    fresh = not path.parent.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        _remove_stale_runs(path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save({"format": STATE_FILE_FORMAT, "fields": values}, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 WARNED_STATE = "fedcomp.warned-unwrapped"  # Context.state: ConfigRecord {"warned": True} (client only)
@@ -66,7 +175,14 @@ class ClientState:
 
     @classmethod
     def load(cls, context: Context) -> "ClientState":
-        """The node's state from ``context.state`` (missing keys: empty fields)."""
+        """The node's state from its :func:`state_file` or ``context.state`` (missing: empty fields)."""
+        path = state_file(context)
+        if path is not None:
+            values = _read_file(path)
+            known = {f.name for f in fields(cls)}
+            state = cls(**{k: v for k, v in values.items() if k in known})
+            state.__dict__["_file"] = path
+            return state._checked()
         values = {}
         for f in fields(cls):
             key, kind = f.metadata["key"], f.metadata["kind"]
@@ -77,14 +193,37 @@ class ClientState:
                 value = None if rec is None else _LOAD[kind](rec)
             if value is not None:
                 values[f.name] = value
-        state = cls(**values)
-        if state.reference is None or state.reference_info is None:  # half a reference is none
-            state.reference, state.reference_info = None, None
-        state._assigned.clear()  # loading is not assigning: nothing to save yet
-        return state
+        return cls(**values)._checked()
+
+    def _checked(self) -> "ClientState":
+        if self.reference is None or self.reference_info is None:  # half a reference is none
+            self.reference, self.reference_info = None, None
+        self._assigned.clear()  # loading is not assigning: nothing to save yet
+        return self
 
     def save(self, context: Context) -> None:
-        """Write the assigned fields to ``context.state`` (None or empty: remove the key)."""
+        """Write the assigned fields (None or empty: remove them) to the state file, or to
+        ``context.state`` where the node has none (see :func:`state_file`)."""
+        path = self.__dict__.get("_file")
+        if path is not None:
+            if not self._assigned:
+                return
+            values = {}
+            for f in fields(self):
+                value = getattr(self, f.name)
+                if f.metadata["kind"] == "arrays" and value:
+                    value = {k: v.detach().cpu() for k, v in value.items()}
+                if value is not None and (value or f.metadata["kind"] == "round"):
+                    values[f.name] = tuple(value) if f.metadata["kind"] == "ref-info" else value
+            try:
+                _write_file(path, values)
+            except OSError as exc:
+                raise OSError(f"fedcomp could not write this node's state file {path} ({exc}); set the node "
+                              f"config {STATE_DIR_KEY} to a writable folder, or to 'context'") from exc
+            saves = int(context.state.config_records[STATE_FILE]["saves"]) + 1 if STATE_FILE in context.state.config_records else 1
+            context.state[STATE_FILE] = ConfigRecord({"path": str(path), "saves": saves})
+            self._assigned.clear()
+            return
         for f in fields(self):
             if f.name not in self._assigned:
                 continue

@@ -495,6 +495,7 @@ def start_supernode(
     home = dep.workdir / f"{name}-home"  # own FLWR_HOME: nodes install the app bundle separately
     home.mkdir(parents=True, exist_ok=True)
     env = flower_env(home)
+    env["FEDCOMP_STATE_DIR"] = str(home / "fedcomp-state")  # the node's state files, removed with the workdir
     env.update(extra_env or {})
     proc = _spawn(name, cmd, env, dep.workdir / "logs" / f"{name}.log", dep.workdir)
     if isolation != "subprocess":

@@ -14,7 +14,7 @@ from flwr.serverapp.strategy import FedAvg
 from conftest import FakeGrid, node_context, run_round, shift_trainer, tiny_model
 from fedcomp import protocol as P
 from fedcomp.clients.mod import UNWRAPPED_WARNING, compression_mod
-from fedcomp.clients.state import WARNED_STATE, ClientState
+from fedcomp.clients.state import STATE_DIR_KEY, STATE_FILE, WARNED_STATE, ClientState
 from fedcomp.strategies.wrapper import CompressedStrategy
 
 UPLOAD = "topk(ratio=0.1)+qsgd(bits=4)"
@@ -238,3 +238,93 @@ def test_server_records_the_encode_failure_and_aggregates_the_others(monkeypatch
     statuses = {c["node"]: c["status"] for c in strategy.rounds[1].clients}
     assert statuses[1] == statuses[3] == "ok" and "could not encode" in statuses[2] and "IndexError" in statuses[2]
     assert not torch.equal(new["w"], model["w"])
+
+
+# -- the state file (deployment; or node config fedcomp-state-dir) -------------------------------------
+def _full_state(context):
+    state = ClientState.load(context)
+    state.reference, state.reference_info = {"w": torch.ones(2, 3)}, (1, 7, 12345)
+    state.residual = {"w": torch.full((2, 3), 0.5)}
+    state.pending, state.pending_round = {"w": torch.ones(2, 3)}, 6
+    state.encode_seconds = [0.1, 0.2]
+    state.save(context)
+    return state
+
+
+def test_state_file_is_chosen_by_node_config_and_by_the_engine(tmp_path, monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedcomp.clients.state import state_file
+
+    assert state_file(node_context(3)) is None  # a simulation: Context.state
+    assert state_file(node_context(3, **{STATE_DIR_KEY: "context"})) is None
+    assert state_file(node_context(3, **{STATE_DIR_KEY: str(tmp_path)})) == tmp_path / "run-1" / "node-3.pt"
+    for bad in ("", 5):
+        with pytest.raises(ValueError, match=STATE_DIR_KEY):
+            state_file(node_context(3, **{STATE_DIR_KEY: bad}))
+    monkeypatch.setenv("FEDCOMP_STATE_DIR", str(tmp_path / "env"))
+    monkeypatch.setattr(TaskIdentity, "_node_id", 3)  # a ClientApp process that a SuperNode started for node 3
+    assert state_file(node_context(3)) == tmp_path / "env" / "run-1" / "node-3.pt"
+    assert state_file(node_context(4)) is None  # another node's
+    monkeypatch.setattr(TaskIdentity, "_node_id", 1)  # the simulation's: the SuperLink's id
+    assert state_file(node_context(3)) is None and state_file(node_context(1)) is None
+
+
+def test_state_file_round_trips_and_survives_a_stale_context(tmp_path):
+    context = node_context(1, **{STATE_DIR_KEY: str(tmp_path)})
+    state = _full_state(context)
+    assert set(context.state) == {STATE_FILE}  # only the pointer travels with the Context
+    assert (tmp_path / "run-1" / "node-1.pt").exists()
+    stale = node_context(1, **{STATE_DIR_KEY: str(tmp_path)})  # what Flower hands over when the push came late
+    again = ClientState.load(stale)
+    assert again.reference_info == (1, 7, 12345) and again.pending_round == 6 and again.encode_seconds == [0.1, 0.2]
+    assert torch.equal(again.residual["w"], state.residual["w"]) and torch.equal(again.reference["w"], state.reference["w"])
+    again.residual, again.pending, again.pending_round = None, None, None  # None removes the field
+    again.save(stale)
+    third = ClientState.load(node_context(1, **{STATE_DIR_KEY: str(tmp_path)}))
+    assert third.residual is None and third.pending is None and third.reference_info == (1, 7, 12345)
+    assert not list((tmp_path / "run-1").glob("*.tmp"))  # written atomically, nothing left behind
+
+
+def test_unreadable_state_file_is_an_empty_state_said_aloud(tmp_path, caplog):
+    context = node_context(1, **{STATE_DIR_KEY: str(tmp_path)})
+    _full_state(context)
+    (tmp_path / "run-1" / "node-1.pt").write_bytes(b"not a state")
+    with caplog.at_level(logging.WARNING):
+        state = ClientState.load(context)
+    assert state.reference is None and state.residual is None
+    assert "could not be read" in caplog.text and "node-1.pt" in caplog.text
+
+
+def test_unwritable_state_dir_names_the_path_and_the_key(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    context = node_context(1, **{STATE_DIR_KEY: str(blocker)})  # a file where the folder should be
+    state = ClientState.load(context)
+    state.residual = {"w": torch.ones(2)}
+    with pytest.raises(OSError, match=STATE_DIR_KEY) as err:
+        state.save(context)
+    assert str(blocker) in str(err.value)
+
+
+def test_bad_state_dir_gets_an_error_reply():
+    model = tiny_model()
+    msg = _message(_strategy(), model)
+    reason = _error(compression_mod(msg, node_context(1, **{STATE_DIR_KEY: ""}), shift_trainer(1, 1)))
+    assert STATE_DIR_KEY in reason and "'context'" in reason
+
+
+def test_rounds_with_the_state_file_give_the_same_models_as_context_state(tmp_path):
+    model = tiny_model()
+    results = []
+    for config in ({}, {STATE_DIR_KEY: str(tmp_path)}):
+        strategy = _strategy(download="topk(ratio=0.2) | none()")
+        contexts = {n: node_context(n, **config) for n in (1, 2)}
+        current = model
+        for rnd in (1, 2, 3):
+            current, replies, _ = run_round(strategy, current, contexts, rnd)
+            assert all(not r.has_error() for r in replies)
+            if config:  # a Flower that lost every Context push: the state file still carries the node
+                contexts = {n: node_context(n, **config) for n in (1, 2)}
+        results.append(current)
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])

@@ -72,3 +72,6 @@ def test_warm_deployment_runs_flower_clientapps(tmp_path):
         superexecs = [p for p in dep.extra if p.name.endswith("-superexec")]
         assert len(superexecs) == nodes
         assert all("fedcomp.clients.warm_exec" in " ".join(p.popen.args) for p in superexecs)
+        # each node's state lives in its own file (written before the reply), not in the pushed Context
+        files = sorted((tmp_path / "deploy").glob("supernode-*-home/fedcomp-state/run-*/node-*.pt"))
+        assert len(files) == nodes, files
