@@ -328,3 +328,19 @@ def test_rounds_with_the_state_file_give_the_same_models_as_context_state(tmp_pa
                 contexts = {n: node_context(n, **config) for n in (1, 2)}
         results.append(current)
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+def test_a_new_run_removes_run_folders_untouched_for_a_week(tmp_path):
+    import os
+    import time
+
+    from fedcomp.clients.state import STALE_SECONDS
+
+    old, recent = tmp_path / "run-7", tmp_path / "run-8"
+    for folder in (old, recent):
+        folder.mkdir()
+        (folder / "node-1.pt").write_bytes(b"x")
+    week_ago = time.time() - STALE_SECONDS - 60
+    os.utime(old, (week_ago, week_ago))
+    _full_state(node_context(1, **{STATE_DIR_KEY: str(tmp_path)}))  # run 1 starts: its folder is new
+    assert not old.exists() and (recent / "node-1.pt").exists() and (tmp_path / "run-1" / "node-1.pt").exists()
