@@ -2,14 +2,14 @@
 
 It works with any ClientApp whose train reply carries one ArrayRecord (the trained model):
 
-1. The broadcast moves the reference model kept in ``Context.state`` (a chain of compressed
+1. The broadcast moves the reference model kept in the node's state (a chain of compressed
    steps, or the full reference: :mod:`fedcomp.broadcast`); the reference is handed to the app
    as the ArrayRecord it expects (under the strategy's original record name). If the
    reference cannot be rebuilt exactly (state lost, CRC mismatch) the mod replies with a
    resync request instead of training, and the server sends the full model next time.
 2. The app trains and replies with its model.
 3. The mod computes the update ``delta = trained - received``, adds the residual kept in
-   ``Context.state`` (error feedback), encodes it with the codec the server asked for, keeps
+   the node's state (error feedback), encodes it with the codec the server asked for, keeps
    the new residual, and replaces the reply's ArrayRecord with the payload, the reference it
    holds (tier, version, CRC) and the tier it wants.
 
@@ -29,13 +29,14 @@ a link (profile 'none', no link keys, no estimate) nothing of this happens.
 
 Messages without a fedcomp record (evaluation, or a strategy that is not wrapped) pass through;
 a *train* message without one means the strategy is not wrapped in ``CompressedStrategy``, and
-the node logs one warning saying so (once per node: the flag lives in its ``Context.state``).
+the node logs one warning saying so (once per node: the flag lives in its state).
 
 What the mod keeps per node is one declared class, :class:`fedcomp.clients.state.ClientState`,
-loaded once and saved once per message. A broadcast it cannot read, a node config it cannot
-use or a train reply it cannot compress gets an error reply (Flower's convention for mods:
-``Message(Error(code, reason), reply_to=msg)``) whose reason says how to fix it; the server's
-strategy records it as that client's failure.
+loaded once and saved once per message: in ``Context.state`` in a simulation, in a file per node
+in a deployment (written before the reply leaves; see :mod:`fedcomp.clients.state`). A broadcast
+it cannot read, a node config it cannot use or a train reply it cannot compress gets an error
+reply (Flower's convention for mods: ``Message(Error(code, reason), reply_to=msg)``) whose reason
+says how to fix it; the server's strategy records it as that client's failure.
 """
 
 from __future__ import annotations
@@ -215,9 +216,9 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     """Flower mod for a ClientApp under :class:`fedcomp.strategies.CompressedStrategy`.
 
     On a train message with a fedcomp download record it rebuilds the model from the broadcast
-    and the reference kept in ``Context.state``, hands it to the app under the record name the
-    strategy used, and replaces the app's reply model by the compressed update (error feedback
-    kept in ``Context.state``). A reference it cannot rebuild gets a resync request (the server
+    and the reference the node keeps (``Context.state``, or its state file in a deployment), hands
+    it to the app under the record name the strategy used, and replaces the app's reply model by
+    the compressed update (error feedback kept beside the reference). A reference it cannot rebuild gets a resync request (the server
     sends the full model next round); a broadcast or reply it cannot handle, an error reply
     saying how to fix it. Messages without the record pass through. For a seeded cross-device
     start use :func:`make_compression_mod` with ``initial_model``.
@@ -242,7 +243,11 @@ def _held_for(state: ClientState, plan: dict, cfg, context: Context, initial_mod
 
 
 def _warn_unwrapped(context: Context) -> None:
-    state = ClientState.load(context)
+    try:
+        state = ClientState.load(context)
+    except ValueError as exc:  # a node config the state cannot be kept under: warn every time, pass through
+        log(WARNING, "%s (%s)", UNWRAPPED_WARNING, exc)
+        return
     if not state.warned_unwrapped:
         log(WARNING, UNWRAPPED_WARNING)
         state.warned_unwrapped = True

@@ -95,23 +95,27 @@ def state_file(context: Context) -> Path | None:
 
 
 def _remove_stale_runs(path: Path) -> None:
-    """Remove sibling run folders untouched for :data:`STALE_SECONDS` (best effort)."""
+    """Remove the state files (``node-*.pt`` and their temporaries) of sibling run folders
+    untouched for :data:`STALE_SECONDS`, and the folders left empty (best effort: nothing else
+    in a folder of the user's is touched)."""
     now = time.time()
     for run_dir in path.parent.parent.glob("run-*"):
         try:
-            if run_dir != path.parent and now - run_dir.stat().st_mtime > STALE_SECONDS:
-                for f in run_dir.iterdir():
-                    f.unlink()
+            if run_dir == path.parent or not run_dir.is_dir() or now - run_dir.stat().st_mtime <= STALE_SECONDS:
+                continue
+            for f in [*run_dir.glob("node-*.pt"), *run_dir.glob("node-*.pt.*.tmp")]:
+                f.unlink()
+            if not any(run_dir.iterdir()):
                 run_dir.rmdir()
         except OSError:
             pass
 
 
-def _read_file(path: Path) -> dict:
-    """The fields saved in ``path`` ({} where there is none; a warning where it is unreadable)."""
-    if not path.exists():
-        return {}
+def _read_file(path: Path) -> dict | None:
+    """The fields saved in ``path`` (None where there is none; {} and a warning where it is unreadable)."""
     try:
+        if not path.exists():
+            return None
         saved = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(saved, dict) or saved.get("format") != STATE_FILE_FORMAT:
             raise ValueError(f"not a fedcomp state file of format {STATE_FILE_FORMAT}")
@@ -177,13 +181,13 @@ class ClientState:
     def load(cls, context: Context) -> "ClientState":
         """The node's state from its :func:`state_file` or ``context.state`` (missing: empty fields)."""
         path = state_file(context)
-        if path is not None:
-            values = _read_file(path)
+        values = _read_file(path) if path is not None else None
+        if values is not None:
             known = {f.name for f in fields(cls)}
             state = cls(**{k: v for k, v in values.items() if k in known})
             state.__dict__["_file"] = path
             return state._checked()
-        values = {}
+        values = {}  # no file (yet): what Context.state holds (a node that could not write one keeps it there)
         for f in fields(cls):
             key, kind = f.metadata["key"], f.metadata["kind"]
             if kind == "arrays":
@@ -193,7 +197,10 @@ class ClientState:
                 value = None if rec is None else _LOAD[kind](rec)
             if value is not None:
                 values[f.name] = value
-        return cls(**values)._checked()
+        state = cls(**values)
+        if path is not None:
+            state.__dict__["_file"] = path
+        return state._checked()
 
     def _checked(self) -> "ClientState":
         if self.reference is None or self.reference_info is None:  # half a reference is none
@@ -203,27 +210,26 @@ class ClientState:
 
     def save(self, context: Context) -> None:
         """Write the assigned fields (None or empty: remove them) to the state file, or to
-        ``context.state`` where the node has none (see :func:`state_file`)."""
+        ``context.state`` where the node has none (see :func:`state_file`). A state file that
+        cannot be written (a read-only home, a full disk) is logged, and the state goes to
+        ``context.state`` from then on in this process."""
         path = self.__dict__.get("_file")
         if path is not None:
             if not self._assigned:
                 return
-            values = {}
-            for f in fields(self):
-                value = getattr(self, f.name)
-                if f.metadata["kind"] == "arrays" and value:
-                    value = {k: v.detach().cpu() for k, v in value.items()}
-                if value is not None and (value or f.metadata["kind"] == "round"):
-                    values[f.name] = tuple(value) if f.metadata["kind"] == "ref-info" else value
             try:
-                _write_file(path, values)
-            except OSError as exc:
-                raise OSError(f"fedcomp could not write this node's state file {path} ({exc}); set the node "
-                              f"config {STATE_DIR_KEY} to a writable folder, or to 'context'") from exc
-            saves = int(context.state.config_records[STATE_FILE]["saves"]) + 1 if STATE_FILE in context.state.config_records else 1
-            context.state[STATE_FILE] = ConfigRecord({"path": str(path), "saves": saves})
-            self._assigned.clear()
-            return
+                self._save_file(path, context)
+                return
+            except (OSError, RuntimeError) as exc:
+                log(WARNING, "fedcomp: could not write this node's state file %s (%s: %s); its state goes "
+                    "to Context.state instead (set the node config %s to a writable folder, or to "
+                    "'context')", path, type(exc).__name__, exc, STATE_DIR_KEY)
+                self.__dict__["_file"] = None
+                try:  # a stale file would shadow the Context next round
+                    path.unlink(missing_ok=True)
+                except OSError:
+                    pass
+                self._assigned.update(f.name for f in fields(self))  # the Context may hold none of it yet
         for f in fields(self):
             if f.name not in self._assigned:
                 continue
@@ -233,6 +239,24 @@ class ClientState:
                 context.state[key] = record
             elif key in context.state:
                 del context.state[key]
+        self._assigned.clear()
+
+    def _save_file(self, path: Path, context: Context) -> None:
+        """Every non-empty field to ``path`` (atomically); ``context.state`` keeps a pointer."""
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata["kind"] == "arrays" and value:
+                value = {k: v.detach().cpu() for k, v in value.items()}
+            if value is not None and (value or f.metadata["kind"] == "round"):
+                values[f.name] = tuple(value) if f.metadata["kind"] == "ref-info" else value
+        _write_file(path, values)
+        for f in fields(self):  # what an earlier Context-kept state left there
+            if f.metadata["key"] in context.state:
+                del context.state[f.metadata["key"]]
+        records = context.state.config_records
+        saves = int(records[STATE_FILE]["saves"]) + 1 if STATE_FILE in records else 1
+        context.state[STATE_FILE] = ConfigRecord({"path": str(path), "saves": saves})
         self._assigned.clear()
 
 

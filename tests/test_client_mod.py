@@ -296,15 +296,29 @@ def test_unreadable_state_file_is_an_empty_state_said_aloud(tmp_path, caplog):
     assert "could not be read" in caplog.text and "node-1.pt" in caplog.text
 
 
-def test_unwritable_state_dir_names_the_path_and_the_key(tmp_path):
+def test_unwritable_state_dir_is_said_aloud_and_the_state_goes_to_the_context(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     context = node_context(1, **{STATE_DIR_KEY: str(blocker)})  # a file where the folder should be
-    state = ClientState.load(context)
-    state.residual = {"w": torch.ones(2)}
-    with pytest.raises(OSError, match=STATE_DIR_KEY) as err:
-        state.save(context)
-    assert str(blocker) in str(err.value)
+    with caplog.at_level(logging.WARNING):
+        state = _full_state(context)
+    assert str(blocker) in caplog.text and STATE_DIR_KEY in caplog.text
+    assert P.RESIDUAL_STATE in context.state and P.REF_STATE in context.state  # nothing lost
+    again = ClientState.load(context)  # no file: the Context's
+    assert again.reference_info == (1, 7, 12345) and torch.equal(again.residual["w"], state.residual["w"])
+
+
+def test_a_context_kept_state_moves_into_the_file(tmp_path):
+    context = node_context(1)
+    _full_state(context)  # kept in Context.state (a simulation, or an earlier version)
+    context.node_config[STATE_DIR_KEY] = str(tmp_path)
+    state = ClientState.load(context)  # no file yet: the Context's
+    assert state.reference_info == (1, 7, 12345)
+    state.encode_seconds = [0.3]
+    state.save(context)
+    assert set(context.state) == {STATE_FILE}  # moved, not left to travel with the Context
+    again = ClientState.load(node_context(1, **{STATE_DIR_KEY: str(tmp_path)}))
+    assert again.reference_info == (1, 7, 12345) and again.pending_round == 6 and again.encode_seconds == [0.3]
 
 
 def test_bad_state_dir_gets_an_error_reply():
@@ -330,17 +344,20 @@ def test_rounds_with_the_state_file_give_the_same_models_as_context_state(tmp_pa
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
 
 
-def test_a_new_run_removes_run_folders_untouched_for_a_week(tmp_path):
+def test_a_new_run_removes_state_files_untouched_for_a_week(tmp_path):
     import os
     import time
 
     from fedcomp.clients.state import STALE_SECONDS
 
-    old, recent = tmp_path / "run-7", tmp_path / "run-8"
-    for folder in (old, recent):
+    old, mixed, recent = tmp_path / "run-7", tmp_path / "run-6", tmp_path / "run-8"
+    for folder in (old, mixed, recent):
         folder.mkdir()
         (folder / "node-1.pt").write_bytes(b"x")
+    (mixed / "notes.txt").write_text("the user's")
     week_ago = time.time() - STALE_SECONDS - 60
-    os.utime(old, (week_ago, week_ago))
+    for folder in (old, mixed):
+        os.utime(folder, (week_ago, week_ago))
     _full_state(node_context(1, **{STATE_DIR_KEY: str(tmp_path)}))  # run 1 starts: its folder is new
     assert not old.exists() and (recent / "node-1.pt").exists() and (tmp_path / "run-1" / "node-1.pt").exists()
+    assert (mixed / "notes.txt").exists() and not (mixed / "node-1.pt").exists()  # only state files go
