@@ -129,7 +129,8 @@ def test_cross_device(simulation_superlink):
 def test_deployment_over_tls_with_node_auth(tmp_path):
     """run_local.py: certificates, a TLS SuperLink with SuperNode auth, registered SuperNodes,
     `flwr run`, and everything it started stopped again."""
-    env = dict(os.environ, FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
+    state_dir = tmp_path / "node-state"  # where a user's nodes would keep theirs: ~/.cache/fedcomp/client-state
+    env = dict(os.environ, FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1", FEDCOMP_STATE_DIR=str(state_dir))
     cmd = [sys.executable, *shlex.split(DEPLOYMENT)[1:], "--workdir", str(tmp_path)]
     done = subprocess.run(cmd, cwd=EXAMPLES / "deployment", env=env,
                           capture_output=True, text=True, timeout=500)
@@ -140,3 +141,4 @@ def test_deployment_over_tls_with_node_auth(tmp_path):
     assert "--enable-supernode-auth" in out and "flwr supernode register" in out
     pids = [int(p) for p in re.findall(r"stopped \S+ \(pid (\d+)\)", out)]
     assert len(pids) == 3 and not any(Path(f"/proc/{p}").exists() for p in pids), out[-2000:]
+    assert len(list(state_dir.glob("run-*/node-*.pt"))) == 2  # each node's state in its file, not its Context
