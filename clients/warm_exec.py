@@ -16,6 +16,12 @@ Run it beside ``flower-supernode --isolation process``, with ``flower-superexec`
     flower-supernode --insecure --superlink HOST:9092 --isolation process --port 9094 ...
     python -m fedcomp.clients.warm_exec --insecure --runtime-api-address 127.0.0.1:9094
 
+One more change, in the ClientApp: Flower's SuperNode hands a task to the SuperExec *before* it
+has pulled the message's arrays from the SuperLink, and the ClientApp waits for them with an
+exponential backoff (1, 2, 4, 8, then 10 s between tries), so a broadcast that arrives after 5.5 s
+is read after 7 or 15 s. A warm ClientApp asks every ``--pull-interval`` seconds (default
+:data:`DEFAULT_PULL_S`; ``0``: Flower's backoff); its time limit stays Flower's.
+
 The zygote forks before any gRPC channel exists and runs no torch operation (no thread pool yet),
 so each child starts from a single-threaded process. Where ``fork`` is unavailable (not Linux or
 macOS) use ``flower-superexec``.
@@ -32,7 +38,10 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-__all__ = ["DEFAULT_PRELOAD", "ForkExecutor", "Zygote", "main"]
+__all__ = ["DEFAULT_PRELOAD", "DEFAULT_PULL_S", "ForkExecutor", "Zygote", "main", "steady_pulls"]
+
+DEFAULT_PULL_S = 0.1  # seconds between a ClientApp's tries for a message's arrays the SuperNode is still pulling
+PULL_ENV = "FEDCOMP_CLIENTAPP_PULL_S"
 
 DEFAULT_PRELOAD = ("flwr.supernode.runtime.run_clientapp", "numpy", "torch", "torch._dynamo", "httpx", "httpcore", "fedcomp.clients.mod")
 POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec reads it (default 1 s)
@@ -104,6 +113,7 @@ def _clientapp(request: dict) -> int:
         pass
     from flwr.supernode.runtime.run_clientapp import run_clientapp
 
+    steady_pulls(float(os.environ.get(PULL_ENV, DEFAULT_PULL_S)))
     certificates = None
     if request.get("root_certificates_path"):
         with open(request.pop("root_certificates_path"), "rb") as f:
@@ -119,6 +129,25 @@ def _clientapp(request: dict) -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+def steady_pulls(interval: float) -> None:
+    """Make this process's ClientApp try for a message's arrays every ``interval`` seconds instead of
+    Flower's exponential backoff (``0``: leave Flower's); the overall time limit stays Flower's."""
+    if interval < 0:
+        raise ValueError(f"pull interval {interval!r} s is invalid: >= 0 (0 keeps Flower's backoff)")
+    if interval == 0:
+        return
+    import functools
+
+    from flwr.supercore.constant import PULL_MAX_TIME
+    from flwr.supernode.runtime import run_clientapp as module
+
+    pull = getattr(module.pull_and_inflate_object_from_tree, "__wrapped__", module.pull_and_inflate_object_from_tree)
+    steady = functools.partial(pull, initial_backoff=interval, backoff_cap=interval,
+                               max_tries_per_object=int(PULL_MAX_TIME / interval) + 1)
+    steady.__wrapped__ = pull
+    module.pull_and_inflate_object_from_tree = steady
 
 
 class ForkExecutor:
@@ -169,6 +198,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--poll-interval", type=float, default=None,
                         help="seconds between the SuperExec's task polls of the SuperNode (a local call; "
                              f"default: ${POLL_ENV}, else {DEFAULT_POLL_S})")
+    parser.add_argument("--pull-interval", type=float, default=None,
+                        help="seconds between a ClientApp's tries for a message's arrays that the SuperNode "
+                             f"is still pulling (0: Flower's 1-10 s backoff; default: ${PULL_ENV}, else {DEFAULT_PULL_S})")
     parser.add_argument("--allow-runtime-dependency-installation", action="store_true",
                         help="as flower-superexec's (off: the app's dependencies must be installed)")
     args = parser.parse_args(argv)
@@ -176,6 +208,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         os.environ[POLL_ENV] = str(args.poll_interval)  # Flower's loop checks its range
     else:
         os.environ.setdefault(POLL_ENV, str(DEFAULT_POLL_S))
+    if args.pull_interval is not None:
+        if args.pull_interval < 0:
+            parser.error(f"--pull-interval {args.pull_interval!r} is invalid: >= 0 (0 keeps Flower's backoff)")
+        os.environ[PULL_ENV] = str(args.pull_interval)  # read in each ClientApp
     preload = [name.strip() for name in args.preload.split(",") if name.strip()]
     for name in preload:  # fail here, by name, not in every ClientApp
         if importlib.util.find_spec(name.split(".")[0]) is None:

@@ -57,6 +57,32 @@ def test_bad_preload_is_named(capsys):
     assert "no_such_module_xyz" in capsys.readouterr().err
 
 
+def test_bad_pull_interval_is_named(capsys):
+    with pytest.raises(SystemExit):
+        warm_exec.main(["--insecure", "--runtime-api-address", "127.0.0.1:1", "--pull-interval", "-1"])
+    assert "--pull-interval -1.0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="-0.5"):
+        warm_exec.steady_pulls(-0.5)
+
+
+def test_steady_pulls_retry_at_the_interval_within_flowers_time_limit(monkeypatch):
+    from flwr.supercore.constant import PULL_MAX_TIME
+    from flwr.supernode.runtime import run_clientapp as module
+
+    flowers = module.pull_and_inflate_object_from_tree
+    calls = []
+    monkeypatch.setattr(module, "pull_and_inflate_object_from_tree", lambda *a, **k: calls.append(k))
+    warm_exec.steady_pulls(0)  # Flower's backoff: untouched
+    module.pull_and_inflate_object_from_tree("tree", "pull", "confirm")
+    assert calls == [{}]
+    warm_exec.steady_pulls(0.1)
+    warm_exec.steady_pulls(0.2)  # again: wraps Flower's function, not the previous wrapper
+    module.pull_and_inflate_object_from_tree("tree", "pull", "confirm", return_type=int)
+    assert calls[1] == {"initial_backoff": 0.2, "backoff_cap": 0.2, "max_tries_per_object": int(PULL_MAX_TIME / 0.2) + 1,
+                        "return_type": int}
+    assert flowers is not module.pull_and_inflate_object_from_tree
+
+
 @pytest.mark.slow
 def test_warm_deployment_runs_flower_clientapps(tmp_path):
     from fedcomp.simulations import deploy
