@@ -218,9 +218,9 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     On a train message with a fedcomp download record it rebuilds the model from the broadcast
     and the reference the node keeps (``Context.state``, or its state file in a deployment), hands
     it to the app under the record name the strategy used, and replaces the app's reply model by
-    the compressed update (error feedback kept beside the reference). A reference it cannot rebuild gets a resync request (the server
-    sends the full model next round); a broadcast or reply it cannot handle, an error reply
-    saying how to fix it. Messages without the record pass through. For a seeded cross-device
+    the compressed update (error feedback kept beside the reference). A reference it cannot
+    rebuild gets a resync request (the server sends the full model next round); a broadcast or
+    reply it cannot handle, an error reply saying how to fix it. Messages without the record pass through. For a seeded cross-device
     start use :func:`make_compression_mod` with ``initial_model``.
     """
     return _PLAIN(msg, context, call_next)

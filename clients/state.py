@@ -182,31 +182,25 @@ class ClientState:
         """The node's state from its :func:`state_file` or ``context.state`` (missing: empty fields)."""
         path = state_file(context)
         values = _read_file(path) if path is not None else None
-        if values is not None:
-            known = {f.name for f in fields(cls)}
-            state = cls(**{k: v for k, v in values.items() if k in known})
-            state.__dict__["_file"] = path
-            return state._checked()
-        values = {}  # no file (yet): what Context.state holds (a node that could not write one keeps it there)
-        for f in fields(cls):
-            key, kind = f.metadata["key"], f.metadata["kind"]
-            if kind == "arrays":
-                value = _arrays(context, key)
-            else:
-                rec = _config(context, key)
-                value = None if rec is None else _LOAD[kind](rec)
-            if value is not None:
-                values[f.name] = value
-        state = cls(**values)
+        if values is None:  # no file (yet): what Context.state holds (a node that could not write one keeps it there)
+            values = {}
+            for f in fields(cls):
+                key, kind = f.metadata["key"], f.metadata["kind"]
+                if kind == "arrays":
+                    value = _arrays(context, key)
+                else:
+                    rec = _config(context, key)
+                    value = None if rec is None else _LOAD[kind](rec)
+                if value is not None:
+                    values[f.name] = value
+        known = {f.name for f in fields(cls)}
+        state = cls(**{k: v for k, v in values.items() if k in known})
         if path is not None:
             state.__dict__["_file"] = path
-        return state._checked()
-
-    def _checked(self) -> "ClientState":
-        if self.reference is None or self.reference_info is None:  # half a reference is none
-            self.reference, self.reference_info = None, None
-        self._assigned.clear()  # loading is not assigning: nothing to save yet
-        return self
+        if state.reference is None or state.reference_info is None:  # half a reference is none
+            state.reference, state.reference_info = None, None
+        state._assigned.clear()  # loading is not assigning: nothing to save yet
+        return state
 
     def save(self, context: Context) -> None:
         """Write the assigned fields (None or empty: remove them) to the state file, or to
@@ -234,7 +228,7 @@ class ClientState:
             if f.name not in self._assigned:
                 continue
             key, value = f.metadata["key"], getattr(self, f.name)
-            record = None if value is None or (not value and f.metadata["kind"] != "round") else _SAVE[f.metadata["kind"]](value)
+            record = None if _empty(f, value) else _SAVE[f.metadata["kind"]](value)
             if record is not None:
                 context.state[key] = record
             elif key in context.state:
@@ -248,7 +242,7 @@ class ClientState:
             value = getattr(self, f.name)
             if f.metadata["kind"] == "arrays" and value:
                 value = {k: v.detach().cpu() for k, v in value.items()}
-            if value is not None and (value or f.metadata["kind"] == "round"):
+            if not _empty(f, value):
                 values[f.name] = tuple(value) if f.metadata["kind"] == "ref-info" else value
         _write_file(path, values)
         for f in fields(self):  # what an earlier Context-kept state left there
@@ -258,6 +252,11 @@ class ClientState:
         saves = int(records[STATE_FILE]["saves"]) + 1 if STATE_FILE in records else 1
         context.state[STATE_FILE] = ConfigRecord({"path": str(path), "saves": saves})
         self._assigned.clear()
+
+
+def _empty(f, value) -> bool:
+    """A field with nothing to keep: None, or empty (a round number 0 is kept)."""
+    return value is None or (not value and f.metadata["kind"] != "round")
 
 
 _LOAD = {
