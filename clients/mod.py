@@ -331,7 +331,7 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
             record.update({P.LINK: link.describe(), P.BUDGET: -1, P.DOWNLOAD_SEEN: download_seen,
                            P.COMPUTE_S: float(perf_counter() - start)})
             if estimated:
-                record.update(_arrival(received_at))
+                record.update(_arrival(received_at, msg, context))
         return Message(RecordDict({P.UPLOAD_RECORD: ConfigRecord(record)}), reply_to=msg)
     state.reference, state.reference_info = received, info
     # the first reply after a full reference (or a chain from the seeded round-0 model) says what
@@ -388,7 +388,7 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
     record = {P.ARRAYS_KEY: array_keys[0], P.DELTA_REF: ref, P.TIER: info[0], P.REF_VERSION: info[1],
               P.REF_CRC: info[2], P.WANT_TIER: want, **capabilities}
     if estimated:
-        record.update(_arrival(received_at))
+        record.update(_arrival(received_at, msg, context))
     if link is not None:
         reply.content = _budgeted_reply(
             state, cfg, upload.spec, link, delta, residual, codec_state, rest, record, nonce=nonce,
@@ -405,10 +405,33 @@ def _round(msg: Message, context: Context, call_next: ClientAppCallable, state: 
     return reply
 
 
-def _arrival(received_at: float) -> dict:
-    """The reply's record of when the broadcast arrived: ``received-at`` and, on Linux, the process start."""
+def _arrival(received_at: float, msg: Message, context: Context) -> dict:
+    """The reply's record of when the broadcast arrived: ``received-at``, on Linux the process
+    start, and in a deployment the link timings the node's SuperNode recorded (:func:`_link_timings`)."""
     started = process_started_at()
-    return {links.RECEIVED_AT: float(received_at), **({} if started is None else {links.STARTED_AT: started})}
+    return {links.RECEIVED_AT: float(received_at), **({} if started is None else {links.STARTED_AT: started}),
+            **_link_timings(msg, context)}
+
+
+def _link_timings(msg: Message, context: Context) -> dict:
+    """What this node's SuperNode timed on its link (``fedcomp.clients.supernode``): this broadcast's
+    pull, and its last reply's push; nothing under a plain ``flower-supernode`` or in a simulation."""
+    from fedcomp.clients.state import _deployed_for
+    from fedcomp.clients.supernode import read_link_file
+
+    if not _deployed_for(context):
+        return {}
+    seen, out = read_link_file(context.node_id), {}
+    try:
+        down, up = seen.get("down"), seen.get("up")
+        if down is not None and down.get("message") == msg.metadata.message_id:
+            out.update({links.LINK_DOWN_BYTES: int(down["bytes"]), links.LINK_DOWN_S: float(down["seconds"])})
+        if up is not None:
+            out.update({links.LINK_UP_OF: str(up["message"]), links.LINK_UP_BYTES: int(up["bytes"]),
+                        links.LINK_UP_S: float(up["seconds"])})
+    except (KeyError, TypeError, ValueError):  # a file from another version: the server's own clocks time the node
+        return {}
+    return out
 
 
 class _encoding:

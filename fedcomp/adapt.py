@@ -438,6 +438,11 @@ class MeasuredBudgets:
     bound: budgets err short, never past the deadline). A node whose estimate leaves no time for
     an upload at all keeps probing (a budget of 0 would never spread the sizes a fit needs).
 
+    Where the transfers are timed on the link itself (a deployment's SuperNode,
+    :mod:`fedcomp.clients.supernode`), what else a round holds besides compute (the engine's polls
+    and process starts) is observed as the node's overhead (:meth:`observe_overhead`) and kept free
+    by every budget.
+
     ``history`` holds per node and round: the estimate (kbps, latency), the budget, and -- where the
     caller passes the budget a declared link would give -- its relative error.
     """
@@ -450,6 +455,7 @@ class MeasuredBudgets:
     estimator: LinkEstimator = field(default_factory=LinkEstimator)
     history: list[dict] = field(init=False, default_factory=list)
     _largest: dict[int, int] = field(init=False, default_factory=dict)
+    _overhead: dict[int, deque] = field(init=False, default_factory=dict)  # node -> recent overhead seconds
 
     def __post_init__(self) -> None:
         _positive("deadline_s", self.deadline_s)
@@ -461,13 +467,34 @@ class MeasuredBudgets:
         if isinstance(self.first, bool) or not isinstance(self.first, int) or self.first < 1:
             raise AdaptError(f"first={self.first!r} is invalid: a positive number of bytes")
 
-    def observe(self, node: int, *, up_bytes: int, up_s: float, down_bytes: int | None = None,
-                down_s: float | None = None) -> None:
-        """One round's transfers of ``node`` as the server saw them (bytes and seconds each way)."""
-        self.estimator.observe(node, "up", up_bytes, up_s)
+    def observe(self, node: int, *, up_bytes: int | None = None, up_s: float | None = None,
+                down_bytes: int | None = None, down_s: float | None = None) -> None:
+        """One round's transfers of ``node`` as the server saw them (bytes and seconds each way;
+        a direction left None was not timed this round)."""
+        if up_bytes is not None and up_s is not None:
+            self.estimator.observe(node, "up", up_bytes, up_s)
+            self._largest[node] = max(self._largest.get(node, 0), int(up_bytes))
         if down_bytes is not None and down_s is not None:
             self.estimator.observe(node, "down", down_bytes, down_s)
-        self._largest[node] = max(self._largest.get(node, 0), int(up_bytes))
+
+    def observe_overhead(self, node: int, seconds: float) -> None:
+        """Seconds of one of ``node``'s rounds that were neither its link's transfers nor its compute:
+        where the transfers are timed on the link itself (a SuperNode's own timings), the polls,
+        process starts and local copies of the engine around them, which a deadline sees too."""
+        if not math.isfinite(seconds):
+            raise AdaptError(f"seconds={seconds!r} is invalid: a finite number")
+        self._overhead.setdefault(int(node), deque(maxlen=self.estimator.window)).append(max(0.0, float(seconds)))
+
+    def overhead_s(self, node: int) -> float:
+        """The overhead a budget keeps free for ``node``: the mean of its recent rounds' overheads plus
+        ``z`` standard deviations (one sample: its own size stands in for the deviation; 0 where none
+        was measured: the transfers were timed end to end)."""
+        seen = self._overhead.get(int(node))
+        if not seen:
+            return 0.0
+        mean = sum(seen) / len(seen)
+        sd = math.sqrt(sum((s - mean) ** 2 for s in seen) / (len(seen) - 1)) if len(seen) > 1 else mean
+        return mean + self.z * sd
 
     def _slack(self, node: int, direction: str) -> float:
         u = self.estimator.uncertainty(node, direction)
@@ -480,7 +507,21 @@ class MeasuredBudgets:
         down_s = 0.0
         if down is not None:
             down_s = (download_bytes * 8 / (down[0] * 1000) + down[1]) * self._slack(node, "down")
-        return self.deadline_s - down_s - compute_s - up[1] * self._slack(node, "up")
+        return self.deadline_s - down_s - compute_s - up[1] * self._slack(node, "up") - self.overhead_s(node)
+
+    def down_estimate(self, node: int) -> tuple[float, float] | None:
+        """(kbps, latency seconds) of ``node``'s downlink. Broadcasts are about one size, so their
+        latency is rarely fitted: until it is, the upload's fitted latency stands in (one latency
+        per link, as the link model has), or the small ones would read as a slow link; at most half
+        of each transfer counts as latency: a latency-bound broadcast says little about bandwidth,
+        and an over-estimate would move the node to a larger download tier."""
+        est = self.estimator
+        down = est.estimate(node, "down")
+        up = est.estimate(node, "up")
+        if down is not None and up is not None and (node, "down") not in est._latency and (node, "up") in est._latency:
+            seen = est._seen[(node, "down")]
+            down = (sum(b for b, _ in seen) * 8 / sum(max(s - up[1], s / 2) for _, s in seen) / 1000, up[1])
+        return down
 
     def link(self, node: int, *, download_bytes: int | None = None, compute_s: float = 0.0):
         """The link to send ``node`` for its next upload (:data:`fedcomp.links.ESTIMATE`): the
@@ -500,25 +541,21 @@ class MeasuredBudgets:
         from fedcomp.links import Link
 
         est = self.estimator
-        up, down = est.estimate(node, "up"), est.estimate(node, "down")
+        up = est.estimate(node, "up")
         if up is None:
             return Link(FAST_KBPS, FAST_KBPS, 0.0, byte_cap=self.first, deadline_s=self.deadline_s)
         s_up = self._slack(node, "up")
         cap = None
         if (node, "up") not in est._latency:
             cap = max(1, math.floor(self.growth * self._largest.get(node, self.first)))
-        if down is not None and (node, "down") not in est._latency and (node, "up") in est._latency:
-            # broadcasts are about one size, so their latency is rarely fitted: take the upload's
-            # (one latency per link, as the link model has), or the small ones read as a slow link;
-            # at most half of each transfer counts as latency: a latency-bound broadcast says little about
-            # bandwidth, and an over-estimate would move the node to a larger download tier
-            seen = est._seen[(node, "down")]
-            down = (sum(b for b, _ in seen) * 8 / sum(max(s - up[1], s / 2) for _, s in seen) / 1000, up[1])
+        down = self.down_estimate(node)
         downlink = FAST_KBPS if down is None else _sig(down[0] / self._slack(node, "down"), up=False)
         deadline = self.deadline_s
         if cap is not None and download_bytes is not None and self._left(node, download_bytes, compute_s) <= 0:
             deadline = None  # slow start past the deadline: keep probing (see above)
-        return Link(_sig(up[0] / s_up, up=False), downlink, _sig(up[1] * s_up * 1000, up=True), byte_cap=cap,
+        # the client counts a link's latency twice (download, upload): half the overhead in each
+        latency_ms = (up[1] * s_up + self.overhead_s(node) / 2) * 1000
+        return Link(_sig(up[0] / s_up, up=False), downlink, _sig(latency_ms, up=True), byte_cap=cap,
                     deadline_s=deadline)
 
     def budget(self, node: int, round: int, *, download_bytes: int, compute_s: float,

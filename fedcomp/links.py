@@ -111,6 +111,12 @@ STARTED_AT = "process-started-at"  # float (client -> server, next to RECEIVED_A
 # ClientApp's process started (Unix seconds); in a deployment (a process per message) it splits the measured
 # download into Flower's polls and the process's start-up (fedcomp.strategies.measured); in simulation one
 # process serves many messages and it predates the push (ignored)
+LINK_DOWN_BYTES = "link-down-bytes"  # int (client -> server, next to RECEIVED_AT, deployment with
+LINK_DOWN_S = "link-down-s"  # float  fedcomp.clients.supernode): the object bytes of this broadcast and
+# the seconds the node's SuperNode was pulling them over its link (nothing of Flower's polls or start-ups)
+LINK_UP_OF = "link-up-of"  # str: the message whose reply the node's SuperNode pushed last, and
+LINK_UP_BYTES = "link-up-bytes"  # int  that reply's object bytes and the seconds its push took
+LINK_UP_S = "link-up-s"  # float  (a reply's upload ends after the reply left: reported one message later)
 NETSIM_RECORD = "fedcomp.netsim"  # ConfigRecord a simulated network adds to a reply: the hidden link's
 # transfer times (simulation only; the server's observer removes it before anything counts the reply)
 

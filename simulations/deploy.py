@@ -93,6 +93,7 @@ _NODE_ID = re.compile(r"SuperNode ID: (\d+)")
 _RPC = re.compile(r"\[Fleet\.(\w+)\] (Request: )?")
 SHAPINGS = ("auto", "kernel", "relay")  # how per-node links are made (see the module docstring)
 ISOLATIONS = ("subprocess", "process", "warm")  # who starts ClientApps (start_supernode)
+SUPERNODES = ("fedcomp", "flower")  # fedcomp.clients.supernode (link timings, short polls) or flower-supernode
 WARM_PRELOAD = ",".join([*DEFAULT_PRELOAD, "fedcomp.simulations.client_app"])  # 'warm': the project's app too
 
 
@@ -468,17 +469,23 @@ def start_supernode(
     isolation: str = "subprocess",
     declare_link: bool = False,
     extra_env: dict[str, str] | None = None,
+    supernode: str = "fedcomp",
 ) -> Proc:
     """Start one ``flower-supernode`` connecting to its relay, with its partition as node config
     (and, with ``declare_link``, its link's keys: ``uplink-kbps=... downlink-kbps=... latency-ms=...``).
-    With kernel-shaped links it runs in its namespace (``ip netns exec``: the same PID)."""
+    With kernel-shaped links it runs in its namespace (``ip netns exec``: the same PID).
+    ``supernode``: ``'fedcomp'`` (:mod:`fedcomp.clients.supernode`: Flower's SuperNode timing its
+    own link, with short polls) or ``'flower'`` (``flower-supernode`` as installed)."""
+    if supernode not in SUPERNODES:
+        raise ValueError(f"supernode={supernode!r} is invalid: one of {SUPERNODES}")
     name = name or f"supernode-{index}"
     node_config = f"partition-id={index} num-partitions={num_partitions}"
     if device:
         node_config += f" device='{device}'"
     if declare_link and dep.links and index < len(dep.links):
         node_config += " " + dep.links[index].describe()
-    cmd = [*dep.exec_prefix(index), "flower-supernode", "--grpc-rere", "--superlink", dep.relay_of(index).address]
+    program = [sys.executable, "-m", "fedcomp.clients.supernode"] if supernode == "fedcomp" else ["flower-supernode"]
+    cmd = [*dep.exec_prefix(index), *program, "--grpc-rere", "--superlink", dep.relay_of(index).address]
     if dep.tls is None:
         cmd.append("--insecure")
     else:
@@ -560,6 +567,7 @@ def deployment(
     qdisc: str = "tbf",
     declare_links: bool = False,
     supernode_env: dict[str, str] | None = None,
+    supernode: str = "fedcomp",
 ) -> Iterator[Deployment]:
     """SuperLink + relay + ``num_supernodes`` SuperNodes; everything is stopped on exit.
 
@@ -572,6 +580,7 @@ def deployment(
     ``'relay'`` (loopback, each node's relay paces both directions and adds the latency), ``'auto'``
     (kernel where it works, else relay). ``declare_links`` also puts each link into its node's
     ``--node-config`` (budgets from declared links; leave it off for measured links).
+    ``supernode``: which SuperNode program (:func:`start_supernode`).
     """
     if auth and not tls:
         raise ValueError("SuperNode authentication needs TLS (Flower refuses it without)")
@@ -629,7 +638,7 @@ def deployment(
         for i in range(num_supernodes):
             dep.supernodes.append(start_supernode(
                 dep, i, num_supernodes, key=dep.node_keys[i] if auth else None, device=device,
-                isolation=isolation, declare_link=declare_links, extra_env=supernode_env,
+                isolation=isolation, declare_link=declare_links, extra_env=supernode_env, supernode=supernode,
             ))
         if wait:
             wait_for_nodes(dep, num_supernodes)
@@ -999,6 +1008,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(this script starts a flower-superexec next to each SuperNode) or warm (fedcomp's "
                              "SuperExec, fedcomp.clients.warm_exec: ClientApps fork from a process with Flower "
                              "and torch imported)")
+    parser.add_argument("--supernode", default="fedcomp", choices=SUPERNODES,
+                        help="fedcomp (fedcomp.clients.supernode: times its link for measured budgets, polls "
+                             "every 0.5 s at most) or flower (flower-supernode: 3 s after an empty poll)")
     parser.add_argument("--idle-seconds", type=float, default=30.0,
                         help="measure Flower's idle traffic for this long before the runs (0: skip)")
     parser.add_argument("--timeout", type=float, default=1800, help="per-run timeout in seconds")
@@ -1027,7 +1039,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start = time.monotonic()
     with deployment(out / "deploy", args.supernodes, tls=args.tls, auth=args.auth, device=args.device,
                     isolation=args.isolation, links=links, shaping=args.shaping,
-                    declare_links=args.declare_links) as dep:
+                    declare_links=args.declare_links, supernode=args.supernode) as dep:
         t_up = time.monotonic() - t_start
         if links is not None:
             print(f"links ({dep.shaping}-shaped): " + "; ".join(f"node {i} {link.describe()}" for i, link in enumerate(links)))

@@ -97,12 +97,16 @@ def estimator_errors(results: dict, node_index: dict[int, int], links: list[Link
             if i is None or "est_up_kbps" not in e:
                 continue
             link = links[i]
+            up, down = e["est_up_kbps"], e["est_down_kbps"]
+            by_node = e.get("timed_by") == "supernode"  # bytes and seconds of the SuperNode's own transfers
             out.append({"round": r["round"], "node": i, "up_kbps": link.uplink_kbps, "down_kbps": link.downlink_kbps,
-                        "est_up_kbps": e["est_up_kbps"], "est_down_kbps": e["est_down_kbps"],
-                        "up_error": e["est_up_kbps"] / link.uplink_kbps - 1,
-                        "down_error": e["est_down_kbps"] / link.downlink_kbps - 1,
+                        "est_up_kbps": up, "est_down_kbps": down, "timed_by": e.get("timed_by", "server"),
+                        "up_error": None if up is None else up / link.uplink_kbps - 1,
+                        "down_error": None if down is None else down / link.downlink_kbps - 1,
                         "observed_up_s": e.get("observed_up_s"), "observed_down_s": e.get("observed_down_s"),
-                        "upload_bytes": e.get("upload_bytes"), "download_bytes": e.get("download_bytes"),
+                        "wall_s": e.get("wall_s"), "overhead_s": e.get("overhead_s"),
+                        "upload_bytes": e.get("link_up_bytes") if by_node else e.get("upload_bytes"),
+                        "download_bytes": e.get("link_down_bytes") if by_node else e.get("download_bytes"),
                         "est_up_latency_s": e.get("est_up_latency_s"), "est_down_latency_s": e.get("est_down_latency_s"),
                         "budget": e.get("budget"), "compute_s": e.get("compute_s")})
     for e in out:  # what the shaped link alone would take: bytes at its rate plus its latency
@@ -152,6 +156,11 @@ def write_table(study: dict, margin: float) -> str:
     return "\n".join(lines)
 
 
+def _span(errors: list[float | None]) -> str:
+    errors = [e for e in errors if e is not None]
+    return f"{min(errors):+.0%}..{max(errors):+.0%}" if errors else "-"
+
+
 def write_estimates(errors: list[dict], links: list[Link], from_round: int = 5) -> str:
     if not errors:
         return "(no link estimates)"
@@ -160,15 +169,14 @@ def write_estimates(errors: list[dict], links: list[Link], from_round: int = 5) 
     for i, link in enumerate(links):
         mine = sorted((e for e in errors if e["node"] == i), key=lambda e: e["round"])
         late = [e for e in mine if e["round"] >= from_round]
-        up = ", ".join(f"{e['est_up_kbps']:,.0f}" for e in mine)
-        down = ", ".join(f"{e['est_down_kbps']:,.0f}" for e in mine)
-        ue = (f"{min(e['up_error'] for e in late):+.0%}..{max(e['up_error'] for e in late):+.0%}" if late else "-")
-        de = (f"{min(e['down_error'] for e in late):+.0%}..{max(e['down_error'] for e in late):+.0%}" if late else "-")
+        up = ", ".join("-" if e["est_up_kbps"] is None else f"{e['est_up_kbps']:,.0f}" for e in mine)
+        down = ", ".join("-" if e["est_down_kbps"] is None else f"{e['est_down_kbps']:,.0f}" for e in mine)
+        ue, de = (_span([e[f"{d}_error"] for e in late]) for d in ("up", "down"))
         lines.append(f"| {i} | {link.uplink_kbps:,.0f} / {link.downlink_kbps:,.0f} | {up} | {down} | {ue} | {de} |")
     late = [e for e in errors if e["round"] >= from_round]
     if late:
-        ok_up = sum(abs(e["up_error"]) <= 0.15 for e in late)
-        ok_down = sum(abs(e["down_error"]) <= 0.15 for e in late)
+        ok_up = sum(e["up_error"] is not None and abs(e["up_error"]) <= 0.15 for e in late)
+        ok_down = sum(e["down_error"] is not None and abs(e["down_error"]) <= 0.15 for e in late)
         lines.append(f"\nFrom round {from_round}: uplink estimates within 15% of the shaped rate in {ok_up}/{len(late)} "
                      f"node-rounds, downlink in {ok_down}/{len(late)}.")
     lines.append("\nWhat the server observed against what the shaped link alone takes (bytes at the rate + latency), "
@@ -232,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=15.0, help="round-deadline-s of budgets and measured")
     parser.add_argument("--margin", type=float, default=0.01, help="target = dense final accuracy - margin")
     parser.add_argument("--run-config", default="", help="extra run config for every run")
+    parser.add_argument("--supernode", default="fedcomp", choices=deploy.SUPERNODES,
+                        help="fedcomp (times its link: the measured run's estimates; short polls) or flower")
     parser.add_argument("--isolation", default="warm", choices=deploy.ISOLATIONS,
                         help="who starts the ClientApps (deploy.start_supernode): warm (default: forked from a "
                              "process with Flower and torch imported, fedcomp.clients.warm_exec), subprocess "
@@ -267,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     study: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "commit": _commit(), "argv": sys.argv, "supernodes": args.supernodes, "links_name": args.links,
                    "links": [link.describe() for link in links], "model": args.model, "deadline_s": args.deadline,
-                   "margin": args.margin, "isolation": args.isolation, "runs": {}, "load_before": os.getloadavg()}
+                   "margin": args.margin, "isolation": args.isolation, "supernode": args.supernode, "runs": {}, "load_before": os.getloadavg()}
     if args.resume and (out / "study.json").is_file():
         old = json.loads((out / "study.json").read_text())
         kept = {k: v for k, v in old["runs"].items() if v.get("returncode") == 0 and v.get("series")}
@@ -277,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resuming: kept {sorted(kept)} from {old.get('date')}; running {[name for name, _ in plan]}", flush=True)
     t0 = time.monotonic()
     with deploy.deployment(work / "deploy", args.supernodes, links=links, shaping=args.shaping,
-                           supernode_env=env, isolation=args.isolation) as dep:
+                           supernode_env=env, isolation=args.isolation, supernode=args.supernode) as dep:
         study["shaping"] = dep.shaping
         study["startup_s"] = time.monotonic() - t0
         nodes = dep.node_ids()

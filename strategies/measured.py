@@ -123,6 +123,8 @@ class MeasuredLinkStrategy(Strategy):
         self.estimates: list[dict] = []
         self._sent: dict[str, tuple[int, _Sent]] = {}  # message id -> (node, what was sent)
         self._compute: dict[int, float] = {}  # node -> its last reported compute seconds
+        # node -> (message its last reply answered, that round's wall seconds less its link download)
+        self._last_reply: dict[int, tuple[str, float]] = {}
 
     # -- delegated --------------------------------------------------------------------------------
     def __getattr__(self, name):  # rounds, history, strength_of, auto, upload... of the wrapped strategy
@@ -230,13 +232,16 @@ class MeasuredLinkStrategy(Strategy):
             started = float(record.get(links.STARTED_AT, -math.inf))
             if s.pushed_at < started <= received:  # a process for this message (a deployment): where the time went
                 entry.update(process_start_s=started - s.pushed_at, startup_s=received - started)
+            if links.LINK_DOWN_S in record:  # the node's SuperNode timed its link: estimate from that
+                self._record_link(msg, record, entry, node, s, wall_s=down_s + up_s)
+                return
         else:  # the node budgets from a link it declares: nothing to split the round trip with
             entry["status"] = "declared link" if P.LINK in record else "no link"
             return
         down_s, up_s = max(down_s, MIN_SECONDS), max(up_s, MIN_SECONDS)
         self.budgets.observe(node, up_bytes=wire, up_s=up_s, down_bytes=s.download_bytes, down_s=down_s)
         up = self.budgets.estimator.estimate(node, "up")
-        down = self.budgets.estimator.estimate(node, "down")
+        down = self.budgets.down_estimate(node)
         entry.update(observed_down_s=down_s, observed_up_s=up_s,
                      est_up_kbps=up[0], est_up_latency_s=up[1], est_down_kbps=down[0], est_down_latency_s=down[1])
         cap = self._cap()
@@ -252,6 +257,29 @@ class MeasuredLinkStrategy(Strategy):
                          declared_budget=declared,
                          error=(entry["estimated_budget"] / declared - 1) if declared and estimated is not None
                          else None)
+
+    def _record_link(self, msg: Message, record, entry: dict, node: int, sent: _Sent, wall_s: float) -> None:
+        """Observe the transfers a node's SuperNode timed on its link (``fedcomp.clients.supernode``):
+        this broadcast's pull now, the node's previous reply's push (it ends after that reply left,
+        so it comes with this one), and as the node's overhead the rest of that previous round:
+        its wall time from push to arrival, less its compute and both link transfers."""
+        down_bytes, down_s = int(record[links.LINK_DOWN_BYTES]), max(float(record[links.LINK_DOWN_S]), MIN_SECONDS)
+        up_bytes = up_s = None
+        previous = self._last_reply.get(node)
+        if previous is not None and str(record.get(links.LINK_UP_OF, "")) == previous[0]:
+            up_bytes = int(record[links.LINK_UP_BYTES])
+            up_s = max(float(record[links.LINK_UP_S]), MIN_SECONDS)
+            self.budgets.observe_overhead(node, previous[1] - up_s)
+        self._last_reply[node] = (msg.metadata.reply_to_message_id, wall_s - down_s)
+        self.budgets.observe(node, up_bytes=up_bytes, up_s=up_s, down_bytes=down_bytes, down_s=down_s)
+        up = self.budgets.estimator.estimate(node, "up")
+        down = self.budgets.down_estimate(node)
+        entry.update(timed_by="supernode", observed_down_s=down_s, link_down_bytes=down_bytes,
+                     observed_up_s=up_s, link_up_bytes=up_bytes, wall_s=wall_s,
+                     overhead_s=self.budgets.overhead_s(node), est_down_kbps=down[0], est_down_latency_s=down[1],
+                     est_up_kbps=None if up is None else up[0], est_up_latency_s=None if up is None else up[1])
+        estimated = links.upload_budget(sent.link, sent.download_bytes, entry["compute_s"])
+        entry["estimated_budget"] = None if estimated is None else min(estimated, self._cap())
 
     def _cap(self) -> int:
         """Budgets compared up to the dense reply (above it every codec saturates)."""

@@ -1,0 +1,262 @@
+"""A SuperNode that times its own link and polls sooner: Flower's ``flower-supernode`` with two changes.
+
+Run it in place of ``flower-supernode``, with the same arguments::
+
+    python -m fedcomp.clients.supernode --insecure --superlink HOST:9092 --node-config "..."
+
+1. **It times the bytes where they cross the link.** A SuperNode pulls each message's objects
+   from the SuperLink and pushes each reply's objects back; only there does a transfer take the
+   link's time and nothing else. The server's own clocks see a broadcast leave and a reply arrive,
+   and between them Flower's polling, the ClientApp's start and its local pulls, which on a fast
+   link are most of the span. Per message this SuperNode records the object bytes and the seconds
+   its pulls were in flight (the union of the calls' intervals: they run concurrently), and per
+   reply the same for its pushes, in ``links/node-<node id>.json`` under
+   :func:`fedcomp.clients.state.default_state_dir` (``$FEDCOMP_STATE_DIR``). The download is
+   written before the message's objects are stored, so before its ClientApp can read them;
+   ``compression_mod`` (``links.LINK_*`` keys) reports both to the server, which estimates the
+   link from them (:class:`fedcomp.strategies.measured.MeasuredLinkStrategy`) and keeps what
+   Flower adds as a separate overhead. A reply's upload is reported with the next message, as it
+   ends after the reply has left.
+2. **It polls sooner.** Flower 1.39's SuperNode waits 3 s after an empty poll of the SuperLink and
+   0.5 s between checks for a ClientApp's reply: 1.75 s a round on average, the same for a dense
+   and a compressed round. Here every wait of its loop is at most ``--poll-interval`` seconds
+   (default :data:`DEFAULT_POLL_S`); ``0`` keeps Flower's.
+
+Everything else (the Fleet API, retries, authentication, the object store) is Flower's own code:
+the changes wrap functions of :mod:`flwr.supernode.start_client_internal`, checked when it
+starts (a Flower that renamed them gets an error naming what is missing, not a silent
+SuperNode without timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["DEFAULT_POLL_S", "LinkLog", "Transfer", "install", "link_file", "main", "read_link_file"]
+
+DEFAULT_POLL_S = 0.5  # longest wait of the SuperNode's loop (Flower's: 3 s after an empty poll, 0.5 s for a reply)
+POLL_ENV = "FEDCOMP_SUPERNODE_POLL_S"
+LINK_FILE_FORMAT = 1
+
+
+def link_file(node_id: int, folder: Path | None = None) -> Path:
+    """Where node ``node_id``'s SuperNode records its last transfers."""
+    from fedcomp.clients.state import default_state_dir
+
+    return (default_state_dir() if folder is None else Path(folder)) / "links" / f"node-{int(node_id)}.json"
+
+
+def read_link_file(node_id: int, folder: Path | None = None) -> dict:
+    """The last transfers node ``node_id``'s SuperNode recorded: ``{"down": {...}, "up": {...}}``,
+    each ``{"message": id, "bytes": int, "seconds": float}`` (``up``'s message: the one its reply
+    answered); ``{}`` where there is no file or it cannot be read (a plain ``flower-supernode``)."""
+    try:
+        data = json.loads(link_file(node_id, folder).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("format") != LINK_FILE_FORMAT:
+        return {}
+    return {k: v for k, v in data.items() if k in ("down", "up") and isinstance(v, dict)}
+
+
+class Transfer:
+    """The calls of one transfer: bytes moved and the seconds any call was in flight."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spans: list[tuple[float, float]] = []
+        self.bytes = 0
+
+    def add(self, start: float, end: float, nbytes: int) -> None:
+        with self._lock:
+            self._spans.append((start, end))
+            self.bytes += int(nbytes)
+
+    @property
+    def calls(self) -> int:
+        return len(self._spans)
+
+    @property
+    def seconds(self) -> float:
+        """Length of the union of the calls' intervals (concurrent calls count once)."""
+        total, end = 0.0, -float("inf")
+        for a, b in sorted(self._spans):
+            if b <= end:
+                continue
+            total += b - max(a, end)
+            end = b
+        return total
+
+    def timed(self, fn, size=len):
+        """``fn`` that adds each successful call's interval and ``size(result or argument)``."""
+        def call(*args):
+            start = time.monotonic()
+            out = fn(*args)
+            self.add(start, time.monotonic(), size(out if out is not None else args[-1]))
+            return out
+        return call
+
+
+class LinkLog:
+    """One node's file of its last download and upload (written atomically)."""
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self.folder = folder
+        self._last: dict[str, dict] = {}
+        self.warned = False
+
+    def remove_stale(self) -> None:
+        """Remove node files untouched for :data:`fedcomp.clients.state.STALE_SECONDS` (nodes that
+        are gone: a SuperNode gets a new node id when it registers again)."""
+        from fedcomp.clients.state import STALE_SECONDS
+
+        folder = link_file(0, self.folder).parent
+        cutoff = time.time() - STALE_SECONDS
+        for path in folder.glob("node-*.json") if folder.is_dir() else ():
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+            except OSError:
+                pass
+
+    def record(self, node_id: int, direction: str, message_id: str, transfer: Transfer) -> None:
+        if transfer.calls == 0 or transfer.bytes == 0:
+            return
+        self._last[direction] = {"message": str(message_id), "bytes": transfer.bytes,
+                                 "seconds": round(transfer.seconds, 6), "calls": transfer.calls}
+        path = link_file(node_id, self.folder)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": LINK_FILE_FORMAT, **self._last}, f)
+            os.replace(tmp, path)
+        except OSError as err:
+            if not self.warned:  # the node still works; its server falls back to its own clocks
+                from logging import WARNING
+
+                from flwr.common.logger import log
+
+                log(WARNING, "fedcomp: cannot write the link timings to %s (%s); the server times "
+                    "this node's transfers from message timestamps", path, err)
+                self.warned = True
+
+
+class _CappedSleeps:
+    """The ``time`` module of Flower's SuperNode loop with every ``sleep`` at most ``cap`` seconds."""
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(min(seconds, self.cap))
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+_PATCHED = ("_pull_and_store_message", "_push_messages", "pull_objects", "time")
+
+
+def install(poll_s: float = DEFAULT_POLL_S, folder: Path | None = None) -> LinkLog:
+    """Wrap Flower's SuperNode loop in this process (see the module docstring); returns its log."""
+    if poll_s < 0:
+        raise ValueError(f"poll interval {poll_s!r} s is invalid: >= 0 (0 keeps Flower's waits)")
+    from flwr.supernode import start_client_internal as sci
+
+    missing = [name for name in _PATCHED if not hasattr(sci, name)]
+    if missing:
+        import flwr
+
+        raise RuntimeError(f"fedcomp.clients.supernode wraps flwr.supernode.start_client_internal, whose "
+                           f"{missing} this Flower ({flwr.__version__}) lacks: run flower-supernode instead")
+    log = LinkLog(folder)
+    log.remove_stale()
+    current: dict = {}  # the message being pulled: the loop handles one at a time
+    pull_and_store = getattr(sci._pull_and_store_message, "__wrapped__", sci._pull_and_store_message)
+    push = getattr(sci._push_messages, "__wrapped__", sci._push_messages)
+    pull_objects = getattr(sci.pull_objects, "__wrapped__", sci.pull_objects)
+
+    def timed_pull_and_store(**kwargs):
+        receive, state = kwargs["receive"], kwargs["state"]
+
+        def noted_receive():
+            got = receive()
+            current.clear()
+            if got is not None:
+                current.update(message=got[0].metadata.message_id, node=state.get_node_id())
+            return got
+        kwargs["receive"] = noted_receive
+        return pull_and_store(**kwargs)
+
+    def timed_pull_objects(object_ids, pull_object_fn, **kwargs):
+        transfer = Transfer()
+        out = pull_objects(object_ids, transfer.timed(pull_object_fn), **kwargs)
+        if current:  # before the objects are stored: before the ClientApp can read them
+            log.record(current["node"], "down", current["message"], transfer)
+        return out
+
+    def timed_push(**kwargs):
+        send, push_object, state = kwargs["send"], kwargs["push_object"], kwargs["state"]
+        sends: list = []  # (reply, object ids to push, its transfer)
+
+        def noted_send(message, object_tree, runtime):
+            ids, session = send(message, object_tree, runtime)
+            sends.append((message, set(ids), Transfer()))
+            return ids, session
+
+        def timed_push_object(run_id, session_id, object_id, content):
+            transfer = sends[-1][2]
+            start = time.monotonic()
+            push_object(run_id, session_id, object_id, content)
+            transfer.add(start, time.monotonic(), len(content))
+
+        kwargs.update(send=noted_send, push_object=timed_push_object)
+        out = push(**kwargs)
+        for message, ids, transfer in sends:
+            if transfer.calls == len(ids):  # every object arrived (a failure is logged by Flower)
+                log.record(state.get_node_id(), "up", message.metadata.reply_to_message_id, transfer)
+        return out
+
+    for fn, original in ((timed_pull_and_store, pull_and_store), (timed_push, push), (timed_pull_objects, pull_objects)):
+        fn.__wrapped__ = original
+    sci._pull_and_store_message, sci._push_messages, sci.pull_objects = timed_pull_and_store, timed_push, timed_pull_objects
+    if poll_s > 0:
+        sci.time = _CappedSleeps(poll_s)
+    return log
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m fedcomp.clients.supernode", description=__doc__.split("\n")[0],
+        epilog="Every other argument goes to Flower's flower-supernode unchanged.")
+    parser.add_argument("--poll-interval", type=float, default=None,
+                        help=f"longest wait of the SuperNode's loop in seconds (0: Flower's 3 s and 0.5 s; "
+                             f"default: ${POLL_ENV}, else {DEFAULT_POLL_S})")
+    args, rest = parser.parse_known_args(argv)
+    poll = args.poll_interval
+    if poll is None:
+        raw = os.environ.get(POLL_ENV, str(DEFAULT_POLL_S))
+        try:
+            poll = float(raw)
+        except ValueError:
+            parser.error(f"${POLL_ENV}={raw!r} is invalid: a number of seconds >= 0")
+    if poll < 0:
+        parser.error(f"--poll-interval {poll!r} is invalid: >= 0 (0 keeps Flower's 3 s and 0.5 s waits)")
+    install(poll)
+    from flwr.supernode.cli import flower_supernode
+
+    sys.argv = ["flower-supernode", *rest]
+    flower_supernode()
+
+
+if __name__ == "__main__":
+    main()
