@@ -96,10 +96,17 @@ def budgeted_upload(
             status = "saturated" if fit.saturated else "fit"
             return BudgetedUpload(fit.encoded, fit.residual or {}, fit.state, fit.spec, budget, status, content,
                                   {"fill": real / budget})
-        target -= real - budget  # the framing grew with the payload: take the excess off and refit
+        # the framing grew with the payload (length prefixes): refit to the budget less that growth
+        # (taking off only the excess over the budget can ask for the same fit again)
+        target = min(target - 1, budget - (real - fit.message_bytes))
         if target <= overhead:
             break
-    exc = BudgetTooSmall(spec, budget, budget + 1, fedcomp.build_codec(spec).spec)  # framing alone leaves no room
+    try:  # the framing alone leaves no room: what the codec's coarsest setting is, by asking for 1 B
+        fit_update(spec, update, 1, residual, overhead=overhead, nonce=nonce, round=round, state=state,
+                   error_feedback=error_feedback)
+        exc = BudgetTooSmall(spec, budget, budget + 1, fedcomp.build_codec(spec).spec)  # not reached: 1 B never fits
+    except BudgetTooSmall as too_small:
+        exc = too_small
     return _too_small(exc, spec, update, residual, budget, build, fallback, nonce, round, state, error_feedback)
 
 

@@ -170,6 +170,29 @@ def test_budgeted_reply_fits_the_byte_cap(cap):
     assert out.content["fedcomp.upload"]["payload"] == out.encoded.payload
 
 
+@pytest.mark.parametrize("cap", [20_000, 150_000, 400_000])
+def test_a_budget_past_the_framings_steps_fits_in_two_encodes(cap, monkeypatch):
+    """Above 16 kB a payload's length prefix is longer than the empty payload's the fit counted:
+    the first reply is a few bytes over, and the refit must aim below the budget by that growth
+    (taking off only the excess asked for the same fit again until the refits ran out, and the
+    configured 1% codec went out as 'too-small-coarsest')."""
+    from fedcomp.clients import budgeting
+    from fedcomp.links import Link
+    from fedcomp.msgsize import message_bytes
+
+    g = torch.Generator().manual_seed(3)
+    upd = {"w": torch.randn(600, 600, generator=g) * 1e-3, "b": torch.randn(600, generator=g)}
+    fits = []
+    monkeypatch.setattr(budgeting, "fit_update", lambda *a, **k: fits.append(a[2]) or budget.fit_update(*a, **k))
+    out = budgeting.budgeted_upload("topk(ratio=0.01,index='fixed')+qsgd(bits=4)", upd, None,
+                                    link=Link(200, 1000, 300, byte_cap=cap), download_bytes=0, compute_s=0.0,
+                                    build=_build, nonce=1, round=2, state=None, error_feedback=True,
+                                    fallback="coarsest")
+    real = message_bytes(out.content)
+    assert out.status == "fit" and budget.FILL * cap <= real <= cap, (out.status, real)
+    assert len(fits) <= 2 and fits[0] == cap
+
+
 def test_budgeted_reply_too_small_skips_or_sends_coarsest():
     from fedcomp.clients.budgeting import budgeted_upload
     from fedcomp.links import Link
