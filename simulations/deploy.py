@@ -1010,7 +1010,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "and torch imported)")
     parser.add_argument("--supernode", default="fedcomp", choices=SUPERNODES,
                         help="fedcomp (fedcomp.clients.supernode: times its link for measured budgets, polls "
-                             "every 0.5 s at most) or flower (flower-supernode: 3 s after an empty poll)")
+                             "every 0.5 s right after a reply) or flower (flower-supernode: 3 s after an empty poll)")
     parser.add_argument("--idle-seconds", type=float, default=30.0,
                         help="measure Flower's idle traffic for this long before the runs (0: skip)")
     parser.add_argument("--timeout", type=float, default=1800, help="per-run timeout in seconds")

@@ -110,13 +110,20 @@ def test_a_failed_push_is_not_recorded(flower_loop, tmp_path):
     assert "up" not in sn.read_link_file(42, tmp_path)
 
 
-def test_install_caps_the_loops_waits_and_wraps_once(flower_loop, monkeypatch):
+def test_install_caps_the_loops_waits_while_a_run_is_active_and_wraps_once(flower_loop, monkeypatch):
     sci, _, _ = flower_loop
     slept = []
     monkeypatch.setattr(time, "sleep", slept.append)
-    sci.time.sleep(3)
+    sci.time.sleep(3)  # idle (no message yet): Flower's poll
+    sci._pull_and_store_message(state=_State(), receive=lambda: (_Msg("m"), None), pull_object=lambda r, o: b"x")
+    sci.time.sleep(3)  # just after a message: the poll interval
     sci.time.sleep(0.001)
-    assert slept == [0.01, 0.001] and sci.time.monotonic is time.monotonic
+    sci.time.last -= 20  # 20 s since the message: 5% of it
+    sci.time.sleep(3)
+    sci.time.last -= 100  # two minutes: Flower's
+    sci.time.sleep(3)
+    assert slept[0] == 3 and slept[1:3] == [0.01, 0.001] and slept[3] == pytest.approx(1.0, abs=0.01)
+    assert slept[4] == 3 and sci.time.monotonic is time.monotonic
     wrapped = sci._pull_and_store_message.__wrapped__
     sn.install(poll_s=0.01)  # again: wraps Flower's function, not its own wrapper
     assert sci._pull_and_store_message.__wrapped__ is wrapped

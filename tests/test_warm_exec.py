@@ -101,3 +101,14 @@ def test_warm_deployment_runs_flower_clientapps(tmp_path):
         # each node's state lives in its own file (written before the reply), not in the pushed Context
         files = sorted((tmp_path / "deploy").glob("supernode-*-home/fedcomp-state/run-*/node-*.pt"))
         assert len(files) == nodes, files
+        # deploy's SuperNodes (fedcomp.clients.supernode) time their link: measured budgets read it,
+        # a reply's push with the node's next reply
+        measured = deploy.run_app(dep, "num-server-rounds=3 link-profile='measured' round-deadline-s=600.0 "
+                                       "upload=\"topk(ratio=0.01,index='fixed')+qsgd(bits=4)\"",
+                                  tmp_path / "measured", timeout=300)
+        assert measured.ok, measured.log[-3000:]
+        from test_deploy import _check_estimates
+
+        _check_estimates(measured, 3)
+        link_files = sorted((tmp_path / "deploy").glob("supernode-*-home/fedcomp-state/links/node-*.json"))
+        assert len(link_files) == nodes, link_files
