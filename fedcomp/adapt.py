@@ -431,12 +431,16 @@ class MeasuredBudgets:
     deadline leaves after download, compute and latency) on the *estimated* link, with both
     predicted transfer times lengthened by ``z`` standard errors of the estimate
     (:meth:`LinkEstimator.uncertainty`; ``prior`` until three transfers are seen): measurement
-    noise must not push an upload past the deadline, and a precise estimate costs little margin. Until a node has
-    a latency fit, its uploads grow by slow start (as TCP's): the first is ``first`` bytes, each
-    next at most ``growth`` times the largest seen so far; sizes that differ let the estimator tell
-    latency from bandwidth (before that, latency counts as 0 and the bandwidth estimate is a lower
-    bound: budgets err short, never past the deadline). A node whose estimate leaves no time for
-    an upload at all keeps probing (a budget of 0 would never spread the sizes a fit needs).
+    noise must not push an upload past the deadline, and a precise estimate costs little margin. A
+    node's uploads grow by slow start (as TCP's): the first is ``first`` bytes, each next at most
+    ``growth`` times the largest seen so far. Until a node has a latency fit, the sizes that differ
+    let the estimator tell latency from bandwidth (before that, latency counts as 0 and the
+    bandwidth estimate is a lower bound: budgets err short, never past the deadline), and a node
+    whose estimate leaves no time for an upload at all keeps probing (a budget of 0 would never
+    spread the sizes a fit needs). After the fit the growth cap stays: a budget that jumped from a
+    probe to most of the model at once would be encoded at a size whose compute time was never
+    measured (the budget counts the last round's), and would send several rounds of error-feedback
+    residual in one reply.
 
     Where the transfers are timed on the link itself (a deployment's SuperNode,
     :mod:`fedcomp.clients.supernode`), what else a round holds besides compute (the engine's polls
@@ -450,7 +454,7 @@ class MeasuredBudgets:
     deadline_s: float  # the round deadline the budgets must meet
     z: float = 1.0  # standard errors of the predicted times kept free
     prior: float = 0.1  # relative uncertainty of a time predicted from fewer than 3 transfers
-    growth: float = 4.0  # slow start: next upload <= growth x the largest seen, until latency is fitted
+    growth: float = 4.0  # slow start: next upload <= growth x the largest seen
     first: int = 4096  # bytes of a node's first upload (nothing measured yet)
     estimator: LinkEstimator = field(default_factory=LinkEstimator)
     history: list[dict] = field(init=False, default_factory=list)
@@ -528,7 +532,7 @@ class MeasuredBudgets:
         estimate with the margins of :meth:`budget` folded in, so that the client's own
         :func:`fedcomp.links.upload_budget` (with the compute it measures) gives what
         :meth:`budget` would: uplink kbps / slack, the upload's latency x slack, downlink kbps /
-        slack; until the upload latency is fitted a byte cap (slow start). First contact (nothing
+        slack; a byte cap of ``growth`` x the largest upload seen (slow start). First contact (nothing
         measured): :data:`FAST_KBPS` both ways, no latency, a cap of ``first`` bytes: a small probe
         whatever the link. A :class:`fedcomp.links.Link` has one latency for both directions (the
         upload's here); an unfitted download latency sits in its lower-bound bandwidth instead.
@@ -545,13 +549,12 @@ class MeasuredBudgets:
         if up is None:
             return Link(FAST_KBPS, FAST_KBPS, 0.0, byte_cap=self.first, deadline_s=self.deadline_s)
         s_up = self._slack(node, "up")
-        cap = None
-        if (node, "up") not in est._latency:
-            cap = max(1, math.floor(self.growth * self._largest.get(node, self.first)))
+        cap = max(1, math.floor(self.growth * self._largest.get(node, self.first)))
+        fitted = (node, "up") in est._latency
         down = self.down_estimate(node)
         downlink = FAST_KBPS if down is None else _sig(down[0] / self._slack(node, "down"), up=False)
         deadline = self.deadline_s
-        if cap is not None and download_bytes is not None and self._left(node, download_bytes, compute_s) <= 0:
+        if not fitted and download_bytes is not None and self._left(node, download_bytes, compute_s) <= 0:
             deadline = None  # slow start past the deadline: keep probing (see above)
         # the client counts a link's latency twice (download, upload): half the overhead in each
         latency_ms = (up[1] * s_up + self.overhead_s(node) / 2) * 1000
@@ -569,10 +572,10 @@ class MeasuredBudgets:
             kbps, latency = up
             left = self._left(node, download_bytes, compute_s)
             budget = max(1, math.floor(left / self._slack(node, "up") * kbps * 1000 / 8))
-            if (node, "up") not in self.estimator._latency:  # no latency fit yet: grow to get one
-                cap = math.floor(self.growth * self._largest.get(node, self.first))
-                # past the deadline on this estimate: probe anyway (see link())
-                budget = cap if left <= 0 else min(budget, cap)
+            cap = max(1, math.floor(self.growth * self._largest.get(node, self.first)))
+            if (node, "up") not in self.estimator._latency and left <= 0:
+                budget = cap  # no latency fit yet and past the deadline on this estimate: probe anyway (see link())
+            budget = min(budget, cap)
             entry.update(up_kbps=kbps, up_latency_s=latency)
         entry["budget"] = budget
         if declared is not None:
