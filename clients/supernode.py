@@ -252,12 +252,20 @@ def install(poll_s: float = DEFAULT_POLL_S, folder: Path | None = None) -> LinkL
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m fedcomp.clients.supernode", description=__doc__.split("\n")[0],
-        epilog="Every other argument goes to Flower's flower-supernode unchanged.")
+        prog="python -m fedcomp.clients.supernode", description=__doc__.split("\n")[0], add_help=False,
+        epilog="Every other argument goes to Flower's flower-supernode unchanged (its options follow).")
     parser.add_argument("--poll-interval", type=float, default=None,
-                        help=f"longest wait of the SuperNode's loop in seconds (0: Flower's 3 s and 0.5 s; "
-                             f"default: ${POLL_ENV}, else {DEFAULT_POLL_S})")
+                        help=f"seconds the loop waits right after a message or reply, growing to Flower's 3 s "
+                             f"(at most {IDLE_SHARE * 100:g}%% of the time since); 0: Flower's waits "
+                             f"(default: ${POLL_ENV}, else {DEFAULT_POLL_S})")
     args, rest = parser.parse_known_args(argv)
+    from flwr.supernode.cli import flower_supernode
+
+    if "-h" in rest or "--help" in rest:  # ours, then Flower's (which exits)
+        print(parser.format_help())
+        sys.argv = ["flower-supernode", *rest]
+        flower_supernode()
+        return
     poll = args.poll_interval
     if poll is None:
         raw = os.environ.get(POLL_ENV, str(DEFAULT_POLL_S))
@@ -268,8 +276,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if poll < 0:
         parser.error(f"--poll-interval {poll!r} is invalid: >= 0 (0 keeps Flower's 3 s and 0.5 s waits)")
     install(poll)
-    from flwr.supernode.cli import flower_supernode
-
     sys.argv = ["flower-supernode", *rest]
     flower_supernode()
 

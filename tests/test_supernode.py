@@ -151,6 +151,13 @@ def test_main_names_a_bad_poll_interval(monkeypatch, capsys, argv, env, message)
     assert message in capsys.readouterr().err
 
 
+def test_help_shows_ours_then_flowers(capsys):
+    with pytest.raises(SystemExit) as exc:
+        sn.main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and out.index("--poll-interval") < out.index("usage: flower-supernode")
+
+
 @pytest.mark.parametrize("content", [None, "not json", json.dumps({"format": 99, "down": {}}), json.dumps([1])])
 def test_a_missing_or_foreign_link_file_reads_as_nothing(tmp_path, content):
     if content is not None:
