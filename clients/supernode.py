@@ -24,7 +24,7 @@ Run it in place of ``flower-supernode``, with the same arguments::
    ``--poll-interval`` seconds (default :data:`DEFAULT_POLL_S`; ``0`` keeps Flower's): right
    after a reply it polls every 0.5 s, so the next round's message waits at most 5% longer than
    it has already waited; a node idle for a minute polls every 3 s, as Flower's does (each poll is
-   a Fleet RPC of about 700 bytes).
+   a Fleet RPC, bytes on the node's link).
 
 Everything else (the Fleet API, retries, authentication, the object store) is Flower's own code:
 the changes wrap functions of :mod:`flwr.supernode.start_client_internal`, checked when it
