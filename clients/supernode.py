@@ -52,11 +52,15 @@ IDLE_SHARE = 0.05  # a wait is at most this share of the time since the node's l
 LINK_FILE_FORMAT = 1
 
 
-def link_file(node_id: int, folder: Path | None = None) -> Path:
-    """Where node ``node_id``'s SuperNode records its last transfers."""
+def _links_dir(folder: Path | None) -> Path:
     from fedcomp.clients.state import default_state_dir
 
-    return (default_state_dir() if folder is None else Path(folder)) / "links" / f"node-{int(node_id)}.json"
+    return (default_state_dir() if folder is None else Path(folder)) / "links"
+
+
+def link_file(node_id: int, folder: Path | None = None) -> Path:
+    """Where node ``node_id``'s SuperNode records its last transfers."""
+    return _links_dir(folder) / f"node-{int(node_id)}.json"
 
 
 def read_link_file(node_id: int, folder: Path | None = None) -> dict:
@@ -100,13 +104,13 @@ class Transfer:
             end = b
         return total
 
-    def timed(self, fn, size=len):
-        """``fn`` that adds each successful call's interval and ``size(result or argument)``."""
+    def timed(self, pull):
+        """``pull`` (returning an object's bytes) adding each successful call's interval and bytes."""
         def call(*args):
             start = time.monotonic()
-            out = fn(*args)
-            self.add(start, time.monotonic(), size(out if out is not None else args[-1]))
-            return out
+            content = pull(*args)
+            self.add(start, time.monotonic(), len(content))
+            return content
         return call
 
 
@@ -123,7 +127,7 @@ class LinkLog:
         are gone: a SuperNode gets a new node id when it registers again)."""
         from fedcomp.clients.state import STALE_SECONDS
 
-        folder = link_file(0, self.folder).parent
+        folder = _links_dir(self.folder)
         cutoff = time.time() - STALE_SECONDS
         for path in folder.glob("node-*.json") if folder.is_dir() else ():
             try:

@@ -500,6 +500,10 @@ class MeasuredBudgets:
         sd = math.sqrt(sum((s - mean) ** 2 for s in seen) / (len(seen) - 1)) if len(seen) > 1 else mean
         return mean + self.z * sd
 
+    def _growth_cap(self, node: int) -> int:
+        """Slow start's byte cap: ``growth`` x the node's largest upload seen (``first`` before any)."""
+        return max(1, math.floor(self.growth * self._largest.get(node, self.first)))
+
     def _slack(self, node: int, direction: str) -> float:
         u = self.estimator.uncertainty(node, direction)
         return 1 + self.z * (self.prior if u is None else u)
@@ -549,7 +553,7 @@ class MeasuredBudgets:
         if up is None:
             return Link(FAST_KBPS, FAST_KBPS, 0.0, byte_cap=self.first, deadline_s=self.deadline_s)
         s_up = self._slack(node, "up")
-        cap = max(1, math.floor(self.growth * self._largest.get(node, self.first)))
+        cap = self._growth_cap(node)
         fitted = (node, "up") in est._latency
         down = self.down_estimate(node)
         downlink = FAST_KBPS if down is None else _sig(down[0] / self._slack(node, "down"), up=False)
@@ -572,7 +576,7 @@ class MeasuredBudgets:
             kbps, latency = up
             left = self._left(node, download_bytes, compute_s)
             budget = max(1, math.floor(left / self._slack(node, "up") * kbps * 1000 / 8))
-            cap = max(1, math.floor(self.growth * self._largest.get(node, self.first)))
+            cap = self._growth_cap(node)
             if (node, "up") not in self.estimator._latency and left <= 0:
                 budget = cap  # no latency fit yet and past the deadline on this estimate: probe anyway (see link())
             budget = min(budget, cap)

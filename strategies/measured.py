@@ -244,15 +244,13 @@ class MeasuredLinkStrategy(Strategy):
         down = self.budgets.down_estimate(node)
         entry.update(observed_down_s=down_s, observed_up_s=up_s,
                      est_up_kbps=up[0], est_up_latency_s=up[1], est_down_kbps=down[0], est_down_latency_s=down[1])
-        cap = self._cap()
-        estimated = links.upload_budget(s.link, s.download_bytes, compute_s)
-        entry["estimated_budget"] = None if estimated is None else min(estimated, cap)
+        estimated = self._estimated_budget(entry, s, compute_s)
         if netsim is not None:
             true = links.with_deadline(links.link_from_mapping(
                 dict(kv.split("=", 1) for kv in str(netsim["link"]).split()), "simulated link"),
                 self.budgets.deadline_s)
             t = links.client_time(true, s.download_bytes, wire, compute_s)
-            declared = min(links.upload_budget(true, s.download_bytes, compute_s), cap)
+            declared = min(links.upload_budget(true, s.download_bytes, compute_s), self._cap())
             entry.update(true_link=str(netsim["link"]), true_total_s=t.total_s, late=t.total_s > true.deadline_s,
                          declared_budget=declared,
                          error=(entry["estimated_budget"] / declared - 1) if declared and estimated is not None
@@ -278,8 +276,14 @@ class MeasuredLinkStrategy(Strategy):
                      observed_up_s=up_s, link_up_bytes=up_bytes, wall_s=wall_s,
                      overhead_s=self.budgets.overhead_s(node), est_down_kbps=down[0], est_down_latency_s=down[1],
                      est_up_kbps=None if up is None else up[0], est_up_latency_s=None if up is None else up[1])
-        estimated = links.upload_budget(sent.link, sent.download_bytes, entry["compute_s"])
+        self._estimated_budget(entry, sent, entry["compute_s"])
+
+    def _estimated_budget(self, entry: dict, sent: _Sent, compute_s: float) -> int | None:
+        """Record what the link sent gives on the client's measured compute (capped at the dense
+        reply: :meth:`_cap`) as ``estimated_budget``; returns the uncapped budget (None: unbudgeted)."""
+        estimated = links.upload_budget(sent.link, sent.download_bytes, compute_s)
         entry["estimated_budget"] = None if estimated is None else min(estimated, self._cap())
+        return estimated
 
     def _cap(self) -> int:
         """Budgets compared up to the dense reply (above it every codec saturates)."""
