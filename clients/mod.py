@@ -426,9 +426,13 @@ def _link_timings(msg: Message, context: Context) -> dict:
         down, up = seen.get("down"), seen.get("up")
         if down is not None and down.get("message") == msg.metadata.message_id:
             out.update({links.LINK_DOWN_BYTES: int(down["bytes"]), links.LINK_DOWN_S: float(down["seconds"])})
+            if down.get("wire_s") is not None:
+                out[links.LINK_DOWN_WIRE_S] = float(down["wire_s"])
         if up is not None:
             out.update({links.LINK_UP_OF: str(up["message"]), links.LINK_UP_BYTES: int(up["bytes"]),
                         links.LINK_UP_S: float(up["seconds"])})
+            if up.get("wire_s") is not None:
+                out[links.LINK_UP_WIRE_S] = float(up["wire_s"])
     except (KeyError, TypeError, ValueError):  # a file from another version: the server's own clocks time the node
         return {}
     return out

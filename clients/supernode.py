@@ -6,17 +6,27 @@ Run it in place of ``flower-supernode``, with the same arguments::
 
 1. **It times the bytes where they cross the link.** A SuperNode pulls each message's objects
    from the SuperLink and pushes each reply's objects back; only there does a transfer take the
-   link's time and nothing else. The server's own clocks see a broadcast leave and a reply arrive,
-   and between them Flower's polling, the ClientApp's start and its local pulls, which on a fast
-   link are most of the span. Per message this SuperNode records the object bytes and the seconds
-   its pulls were in flight (the union of the calls' intervals: they run concurrently), and per
-   reply the same for its pushes, in ``links/node-<node id>.json`` under
+   link's time. The server's own clocks see a broadcast leave and a reply arrive, and between
+   them Flower's polling, the ClientApp's start and its local pulls, which on a fast link are
+   most of the span. Per message this SuperNode records the object bytes and the seconds its
+   pulls were in flight (the union of the calls' intervals: they run concurrently), and per reply
+   the same for its pushes, in ``links/node-<node id>.json`` under
    :func:`fedcomp.clients.state.default_state_dir` (``$FEDCOMP_STATE_DIR``). The download is
    written before the message's objects are stored, so before its ClientApp can read them;
    ``compression_mod`` (``links.LINK_*`` keys) reports both to the server, which estimates the
    link from them (:class:`fedcomp.strategies.measured.MeasuredLinkStrategy`) and keeps what
    Flower adds as a separate overhead. A reply's upload is reported with the next message, as it
    ends after the reply has left.
+
+   A call's time is more than its bytes on the link: the SuperLink reads and serialises an
+   object before its first byte leaves, and this process parses it after the last arrives (for
+   a 34 MB object, a few tenths of a second at either end whatever the link's rate). So while a
+   transfer is in flight the SuperNode also samples its network namespace's interface counters
+   (:func:`interface_bytes`, Linux's ``/proc/net/dev``, loopback left out) every
+   :data:`WIRE_SAMPLE_S` seconds, and records as ``wire_s`` the seconds the transfer's bytes took
+   crossing the interface (:func:`wire_seconds`): the bytes' rate on the link itself. Where the
+   counters did not see the transfer (a SuperLink on the same host, other traffic as large as
+   the transfer, a transfer too short to sample) it records none, and the calls' time stands.
 2. **It polls sooner while a run is active.** Flower 1.39's SuperNode waits 3 s after an empty
    poll of the SuperLink and 0.5 s between checks for a ClientApp's reply: 1.75 s a round on
    average, the same for a dense and a compressed round. Here a wait lasts at most
@@ -44,12 +54,17 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["DEFAULT_POLL_S", "IDLE_SHARE", "LinkLog", "Transfer", "install", "link_file", "main", "read_link_file"]
+__all__ = ["DEFAULT_POLL_S", "IDLE_SHARE", "LinkLog", "Transfer", "WireClock", "install", "interface_bytes", "link_file",
+           "main", "read_link_file", "wire_seconds"]
 
 DEFAULT_POLL_S = 0.5  # longest wait of the SuperNode's loop (Flower's: 3 s after an empty poll, 0.5 s for a reply)
 POLL_ENV = "FEDCOMP_SUPERNODE_POLL_S"
 IDLE_SHARE = 0.05  # a wait is at most this share of the time since the node's last message (and >= the poll interval)
 LINK_FILE_FORMAT = 1
+NET_DEV = "/proc/net/dev"  # Linux: this network namespace's interfaces and their byte counters
+WIRE_SAMPLE_S = 0.004  # seconds between interface counter samples while a transfer is in flight (~40 us each)
+WIRE_MIN_SAMPLES = 10  # a transfer whose bytes crossed in fewer sampling intervals is not wire-timed
+WIRE_TAIL = 0.01  # the first and last share of a transfer's bytes left out of its wire time (see wire_seconds)
 
 
 def _links_dir(folder: Path | None) -> Path:
@@ -65,8 +80,9 @@ def link_file(node_id: int, folder: Path | None = None) -> Path:
 
 def read_link_file(node_id: int, folder: Path | None = None) -> dict:
     """The last transfers node ``node_id``'s SuperNode recorded: ``{"down": {...}, "up": {...}}``,
-    each ``{"message": id, "bytes": int, "seconds": float}`` (``up``'s message: the one its reply
-    answered); ``{}`` where there is no file or it cannot be read (a plain ``flower-supernode``)."""
+    each ``{"message": id, "bytes": int, "seconds": float}`` and, where the interface counters
+    timed it, ``"wire_s": float`` (``up``'s message: the one its reply answered); ``{}`` where
+    there is no file or it cannot be read (a plain ``flower-supernode``)."""
     try:
         data = json.loads(link_file(node_id, folder).read_text())
     except (OSError, ValueError):
@@ -76,13 +92,103 @@ def read_link_file(node_id: int, folder: Path | None = None) -> dict:
     return {k: v for k, v in data.items() if k in ("down", "up") and isinstance(v, dict)}
 
 
+def interface_bytes(path: str = NET_DEV) -> tuple[int, int] | None:
+    """(received, sent) bytes of this network namespace's interfaces, loopback left out (a node's
+    ClientApps talk to its SuperNode over loopback); None where ``path`` cannot be read or parsed."""
+    rx = tx = 0
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()[2:]
+        for line in lines:
+            name, rest = line.split(b":", 1)
+            if name.strip() != b"lo":
+                fields = rest.split()
+                rx += int(fields[0])
+                tx += int(fields[8])
+    except (OSError, ValueError, IndexError):
+        return None
+    return rx, tx
+
+
+def wire_seconds(samples: Sequence[tuple[float, int]], nbytes: int, interval: float = WIRE_SAMPLE_S) -> float | None:
+    """Seconds ``nbytes`` took crossing the interface, from ``samples`` ``(time, counter)`` of one
+    direction's byte counter taken from a transfer's start to its end.
+
+    The counter's rise over the samples is the transfer's bytes on the wire (its payload plus TCP/IP
+    framing). The time between :data:`WIRE_TAIL` and ``1 - WIRE_TAIL`` of that rise (each
+    interpolated between samples) over ``1 - 2 x WIRE_TAIL`` is the time the whole rise took at the
+    rate it ran: what the SuperLink did before the first byte left and this process after the last
+    arrived is outside it, and so are the few bytes of the calls' requests. None where the counter
+    did not see the transfer (it rose less than ``nbytes`` x 0.9: another path, such as loopback; or
+    more than ``nbytes`` x 1.5: other traffic as large as the transfer shares the interface) or
+    where the rise lasted fewer than :data:`WIRE_MIN_SAMPLES` sampling intervals (too short to
+    time this way)."""
+    if len(samples) < 2 or nbytes <= 0:
+        return None
+    base, rise = samples[0][1], samples[-1][1] - samples[0][1]
+    if not 0.9 * nbytes <= rise <= 1.5 * nbytes:
+        return None
+
+    def crossing(level: float) -> float:
+        for (t0, c0), (t1, c1) in zip(samples, samples[1:]):
+            if c1 - base >= level:
+                return t1 if c1 == c0 else t0 + (t1 - t0) * (level - (c0 - base)) / (c1 - c0)
+        return samples[-1][0]
+
+    span = crossing((1 - WIRE_TAIL) * rise) - crossing(WIRE_TAIL * rise)
+    if span < WIRE_MIN_SAMPLES * interval:
+        return None
+    return span / (1 - 2 * WIRE_TAIL)
+
+
+class WireClock:
+    """Samples one direction's interface byte counter (``'down'``: received, ``'up'``: sent) in a
+    thread from :meth:`start` to :meth:`stop`, which returns :func:`wire_seconds` of ``nbytes``.
+    ``read``: the counters (:func:`interface_bytes`; tests pass their own)."""
+
+    def __init__(self, direction: str, read=interface_bytes, interval: float = WIRE_SAMPLE_S) -> None:
+        if direction not in ("down", "up"):
+            raise ValueError(f"direction={direction!r} is invalid: 'down' or 'up'")
+        self.index, self.read, self.interval = (0 if direction == "down" else 1), read, interval
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> bool:
+        counters = self.read()
+        if counters is None:
+            return False
+        self.samples.append((time.monotonic(), counters[self.index]))
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval) and self._sample():
+            pass
+
+    def start(self) -> "WireClock":
+        if self._sample():  # no counters here: nothing to sample
+            self._thread = threading.Thread(target=self._run, name="fedcomp-wire-clock", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, nbytes: int) -> float | None:
+        if self._thread is None:
+            return None
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        return wire_seconds(self.samples, nbytes, self.interval)
+
+
 class Transfer:
-    """The calls of one transfer: bytes moved and the seconds any call was in flight."""
+    """The calls of one transfer: bytes moved and the seconds any call was in flight (and, set by
+    its caller, ``wire_s``: the seconds its bytes took on the interface, where they were timed)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._spans: list[tuple[float, float]] = []
         self.bytes = 0
+        self.wire_s: float | None = None
 
     def add(self, start: float, end: float, nbytes: int) -> None:
         with self._lock:
@@ -141,6 +247,8 @@ class LinkLog:
             return
         self._last[direction] = {"message": str(message_id), "bytes": transfer.bytes,
                                  "seconds": round(transfer.seconds, 6), "calls": transfer.calls}
+        if transfer.wire_s is not None:
+            self._last[direction]["wire_s"] = round(transfer.wire_s, 6)
         path = link_file(node_id, self.folder)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -217,8 +325,11 @@ def install(poll_s: float = DEFAULT_POLL_S, folder: Path | None = None) -> LinkL
         return pull_and_store(**kwargs)
 
     def timed_pull_objects(object_ids, pull_object_fn, **kwargs):
-        transfer = Transfer()
-        out = pull_objects(object_ids, transfer.timed(pull_object_fn), **kwargs)
+        transfer, clock = Transfer(), WireClock("down").start()
+        try:
+            out = pull_objects(object_ids, transfer.timed(pull_object_fn), **kwargs)
+        finally:
+            transfer.wire_s = clock.stop(transfer.bytes)
         if current:  # before the objects are stored: before the ClientApp can read them
             log.record(current["node"], "down", current["message"], transfer)
         return out
@@ -239,8 +350,14 @@ def install(poll_s: float = DEFAULT_POLL_S, folder: Path | None = None) -> LinkL
             transfer.add(start, time.monotonic(), len(content))
 
         kwargs.update(send=noted_send, push_object=timed_push_object)
-        out = push(**kwargs)
+        clock = WireClock("up").start()
+        try:
+            out = push(**kwargs)
+        finally:
+            wire_s = clock.stop(sends[0][2].bytes if len(sends) == 1 else 0)
         sleeps.mark()
+        if len(sends) == 1:  # one reply's bytes on the interface (Flower's loop sends one at a time)
+            sends[0][2].wire_s = wire_s
         for message, ids, transfer in sends:
             if transfer.calls == len(ids):  # every object arrived (a failure is logged by Flower)
                 log.record(state.get_node_id(), "up", message.metadata.reply_to_message_id, transfer)

@@ -164,36 +164,52 @@ class StrengthController:
 
 @dataclass
 class LinkEstimator:
-    """Per node and direction ('up' or 'down'): kbps and latency fitted to observed transfers."""
+    """Per node and direction ('up' or 'down'): kbps and latency fitted to observed transfers.
+
+    A transfer may also come with ``wire_s``: the seconds its bytes took on the link itself (a
+    SuperNode's interface counters, :mod:`fedcomp.clients.supernode`), which leave out what the
+    ends do before the first byte and after the last. Where the kept transfers have it, the
+    bandwidth is their bytes over their wire seconds, and the latency (everything of a transfer
+    besides its bytes at that rate) is the kept transfers' mean remainder: no fit of sizes needed."""
 
     window: int = 16  # transfers kept per node and direction (longer: less noise, slower to follow a change)
     spread: float = 1.5  # largest/smallest size ratio above which latency is fitted, not assumed
     _seen: dict[tuple[int, str], deque] = field(init=False, default_factory=dict)
     _latency: dict[tuple[int, str], float] = field(init=False, default_factory=dict)  # the last fitted latency
 
-    def observe(self, node: int, direction: str, nbytes: int, seconds: float) -> None:
-        """Record one transfer of ``nbytes`` that took ``seconds``."""
+    def observe(self, node: int, direction: str, nbytes: int, seconds: float, wire_s: float | None = None) -> None:
+        """Record one transfer of ``nbytes`` that took ``seconds`` (its bytes ``wire_s`` of them on the
+        link, where that was timed)."""
         if direction not in ("up", "down"):
             raise AdaptError(f"direction={direction!r} is invalid: it must be 'up' or 'down'")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
             raise AdaptError(f"nbytes={nbytes!r} is invalid: it must be a positive integer")
         _positive("seconds", seconds)
+        if wire_s is not None:
+            _positive("wire_s", wire_s)
         key = (int(node), direction)
-        self._seen.setdefault(key, deque(maxlen=self.window)).append((nbytes, float(seconds)))
+        self._seen.setdefault(key, deque(maxlen=self.window)).append(
+            (nbytes, float(seconds), None if wire_s is None else float(wire_s)))
         fitted = self._fit(self._seen[key])
         if fitted is not None:
             self._latency[key] = fitted
 
+    def fitted(self, node: int, direction: str) -> bool:
+        """Whether the latency is known, not assumed 0: fitted to sizes that differ, or any kept transfer
+        was timed on the wire."""
+        key = (int(node), direction)
+        return key in self._latency or any(w is not None for _, _, w in self._seen.get(key, ()))
+
     def _fit(self, seen) -> float | None:
         """Least-squares latency (intercept) of seconds on bytes, when the sizes differ enough."""
-        sizes = [b for b, _ in seen]
+        sizes = [b for b, _, _ in seen]
         if len(seen) < 3 or max(sizes) < self.spread * min(sizes):
             return None
         n = len(seen)
         mx = sum(sizes) / n
-        my = sum(s for _, s in seen) / n
+        my = sum(s for _, s, _ in seen) / n
         sxx = sum((b - mx) ** 2 for b in sizes)
-        slope = sum((b - mx) * (s - my) for b, s in seen) / sxx
+        slope = sum((b - mx) * (s - my) for b, s, _ in seen) / sxx
         if slope <= 0:
             return None
         return max(0.0, my - slope * mx)
@@ -207,7 +223,7 @@ class LinkEstimator:
         if est is None or len(seen) < 3:
             return None
         kbps, latency = est
-        rel = [s / (latency + b * 8 / (kbps * 1000)) - 1 for b, s in seen]
+        rel = [s / (latency + b * 8 / (kbps * 1000)) - 1 for b, s, _ in seen]
         mean = sum(rel) / len(rel)
         sd = math.sqrt(sum((r - mean) ** 2 for r in rel) / (len(rel) - 1))
         return sd / math.sqrt(len(rel))
@@ -219,10 +235,15 @@ class LinkEstimator:
         seen = self._seen.get(key)
         if not seen:
             return None
-        latency = min(self._latency.get(key, 0.0), min(s for _, s in seen))
+        wired = [(b, w) for b, _, w in seen if w is not None]
+        if wired:  # the rate on the link itself; the latency: what the transfers took besides their bytes
+            kbps = sum(b for b, _ in wired) * 8 / sum(w for _, w in wired) / 1000
+            latency = sum(s - b * 8 / (kbps * 1000) for b, s, _ in seen) / len(seen)
+            return kbps, min(max(0.0, latency), min(s for _, s, _ in seen))
+        latency = min(self._latency.get(key, 0.0), min(s for _, s, _ in seen))
         # bandwidth from the time left after latency, over all kept transfers (a sum, not a mean of ratios)
-        busy = sum(max(s - latency, 1e-9) for _, s in seen)
-        return sum(b for b, _ in seen) * 8 / busy / 1000, latency
+        busy = sum(max(s - latency, 1e-9) for _, s, _ in seen)
+        return sum(b for b, _, _ in seen) * 8 / busy / 1000, latency
 
 
 # -- `auto` strength in an upload spec -------------------------------------------------------------
@@ -433,7 +454,9 @@ class MeasuredBudgets:
     (:meth:`LinkEstimator.uncertainty`; ``prior`` until three transfers are seen): measurement
     noise must not push an upload past the deadline, and a precise estimate costs little margin. A
     node's uploads grow by slow start (as TCP's): the first is ``first`` bytes, each next at most
-    ``growth`` times the largest seen so far. Until a node has a latency fit, the sizes that differ
+    ``growth`` times the largest that reached the server within the deadline (timed, or only seen
+    arriving in time: :meth:`observe_arrival`; a SuperNode's push is timed a round later, and slow
+    start need not wait for it). Until a node has a latency fit, the sizes that differ
     let the estimator tell latency from bandwidth (before that, latency counts as 0 and the
     bandwidth estimate is a lower bound: budgets err short, never past the deadline), and a node
     whose estimate leaves no time for an upload at all keeps probing (a budget of 0 would never
@@ -472,14 +495,21 @@ class MeasuredBudgets:
             raise AdaptError(f"first={self.first!r} is invalid: a positive number of bytes")
 
     def observe(self, node: int, *, up_bytes: int | None = None, up_s: float | None = None,
-                down_bytes: int | None = None, down_s: float | None = None) -> None:
+                down_bytes: int | None = None, down_s: float | None = None,
+                up_wire_s: float | None = None, down_wire_s: float | None = None) -> None:
         """One round's transfers of ``node`` as the server saw them (bytes and seconds each way;
-        a direction left None was not timed this round)."""
+        a direction left None was not timed this round; ``*_wire_s``: the seconds its bytes took on
+        the link itself, where the node's SuperNode timed that: :class:`LinkEstimator`)."""
         if up_bytes is not None and up_s is not None:
-            self.estimator.observe(node, "up", up_bytes, up_s)
-            self._largest[node] = max(self._largest.get(node, 0), int(up_bytes))
+            self.estimator.observe(node, "up", up_bytes, up_s, up_wire_s)
+            self.observe_arrival(node, up_bytes)
         if down_bytes is not None and down_s is not None:
-            self.estimator.observe(node, "down", down_bytes, down_s)
+            self.estimator.observe(node, "down", down_bytes, down_s, down_wire_s)
+
+    def observe_arrival(self, node: int, nbytes: int) -> None:
+        """A reply of ``nbytes`` from ``node`` arrived within the deadline (its transfer may be timed
+        later): slow start grows from it."""
+        self._largest[int(node)] = max(self._largest.get(int(node), 0), int(nbytes))
 
     def observe_overhead(self, node: int, seconds: float) -> None:
         """Seconds of one of ``node``'s rounds that were neither its link's transfers nor its compute:
@@ -501,8 +531,10 @@ class MeasuredBudgets:
         return mean + self.z * sd
 
     def _growth_cap(self, node: int) -> int:
-        """Slow start's byte cap: ``growth`` x the node's largest upload seen (``first`` before any)."""
-        return max(1, math.floor(self.growth * self._largest.get(node, self.first)))
+        """Slow start's byte cap: ``growth`` x the node's largest upload in time (``first`` before any)."""
+        if node not in self._largest:
+            return self.first
+        return max(1, math.floor(self.growth * self._largest[node]))
 
     def _slack(self, node: int, direction: str) -> float:
         u = self.estimator.uncertainty(node, direction)
@@ -519,16 +551,17 @@ class MeasuredBudgets:
 
     def down_estimate(self, node: int) -> tuple[float, float] | None:
         """(kbps, latency seconds) of ``node``'s downlink. Broadcasts are about one size, so their
-        latency is rarely fitted: until it is, the upload's fitted latency stands in (one latency
+        latency is rarely fitted: until it is (or their bytes are timed on the wire), the upload's
+        fitted latency stands in (one latency
         per link, as the link model has), or the small ones would read as a slow link; at most half
         of each transfer counts as latency: a latency-bound broadcast says little about bandwidth,
         and an over-estimate would move the node to a larger download tier."""
         est = self.estimator
         down = est.estimate(node, "down")
         up = est.estimate(node, "up")
-        if down is not None and up is not None and (node, "down") not in est._latency and (node, "up") in est._latency:
+        if down is not None and up is not None and not est.fitted(node, "down") and est.fitted(node, "up"):
             seen = est._seen[(node, "down")]
-            down = (sum(b for b, _ in seen) * 8 / sum(max(s - up[1], s / 2) for _, s in seen) / 1000, up[1])
+            down = (sum(b for b, _, _ in seen) * 8 / sum(max(s - up[1], s / 2) for _, s, _ in seen) / 1000, up[1])
         return down
 
     def link(self, node: int, *, download_bytes: int | None = None, compute_s: float = 0.0):
@@ -536,9 +569,9 @@ class MeasuredBudgets:
         estimate with the margins of :meth:`budget` folded in, so that the client's own
         :func:`fedcomp.links.upload_budget` (with the compute it measures) gives what
         :meth:`budget` would: uplink kbps / slack, the upload's latency x slack, downlink kbps /
-        slack; a byte cap of ``growth`` x the largest upload seen (slow start). First contact (nothing
-        measured): :data:`FAST_KBPS` both ways, no latency, a cap of ``first`` bytes: a small probe
-        whatever the link. A :class:`fedcomp.links.Link` has one latency for both directions (the
+        slack; a byte cap of ``growth`` x the largest upload in time (slow start). Before any upload
+        was timed: :data:`FAST_KBPS` both ways, no latency, slow start's cap (``first`` bytes at
+        first contact): a small probe whatever the link. A :class:`fedcomp.links.Link` has one latency for both directions (the
         upload's here); an unfitted download latency sits in its lower-bound bandwidth instead.
 
         ``download_bytes``/``compute_s`` (the coming broadcast, the node's last compute): in slow
@@ -551,10 +584,10 @@ class MeasuredBudgets:
         est = self.estimator
         up = est.estimate(node, "up")
         if up is None:
-            return Link(FAST_KBPS, FAST_KBPS, 0.0, byte_cap=self.first, deadline_s=self.deadline_s)
+            return Link(FAST_KBPS, FAST_KBPS, 0.0, byte_cap=self._growth_cap(node), deadline_s=self.deadline_s)
         s_up = self._slack(node, "up")
         cap = self._growth_cap(node)
-        fitted = (node, "up") in est._latency
+        fitted = est.fitted(node, "up")
         down = self.down_estimate(node)
         downlink = FAST_KBPS if down is None else _sig(down[0] / self._slack(node, "down"), up=False)
         deadline = self.deadline_s
@@ -571,13 +604,13 @@ class MeasuredBudgets:
         up = self.estimator.estimate(node, "up")
         entry = {"node": int(node), "round": int(round), "up_kbps": None, "up_latency_s": None}
         if up is None:
-            budget = self.first
+            budget = self._growth_cap(node)
         else:
             kbps, latency = up
             left = self._left(node, download_bytes, compute_s)
             budget = max(1, math.floor(left / self._slack(node, "up") * kbps * 1000 / 8))
             cap = self._growth_cap(node)
-            if (node, "up") not in self.estimator._latency and left <= 0:
+            if not self.estimator.fitted(node, "up") and left <= 0:
                 budget = cap  # no latency fit yet and past the deadline on this estimate: probe anyway (see link())
             budget = min(budget, cap)
             entry.update(up_kbps=kbps, up_latency_s=latency)

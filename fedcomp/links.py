@@ -117,6 +117,8 @@ LINK_DOWN_S = "link-down-s"  # float  fedcomp.clients.supernode): the object byt
 LINK_UP_OF = "link-up-of"  # str: the message whose reply the node's SuperNode pushed last, and
 LINK_UP_BYTES = "link-up-bytes"  # int  that reply's object bytes and the seconds its push took
 LINK_UP_S = "link-up-s"  # float  (a reply's upload ends after the reply left: reported one message later)
+LINK_DOWN_WIRE_S = "link-down-wire-s"  # float: of LINK_DOWN_S and LINK_UP_S, the seconds the bytes took on
+LINK_UP_WIRE_S = "link-up-wire-s"  # float  the link itself (the SuperNode's interface counters), where timed
 NETSIM_RECORD = "fedcomp.netsim"  # ConfigRecord a simulated network adds to a reply: the hidden link's
 # transfer times (simulation only; the server's observer removes it before anything counts the reply)
 

@@ -59,6 +59,14 @@ from fedcomp.strategies.streaming import DelegatingGrid
 MIN_SECONDS = 1e-3  # an observed transfer shorter than this (clock resolution, skew) counts as this
 
 
+def _wire(record, key: str, seconds: float) -> float | None:
+    """A SuperNode's wire time of a transfer (None where it has none); at most the calls' ``seconds``
+    and at least :data:`MIN_SECONDS`."""
+    if key not in record:
+        return None
+    return min(max(float(record[key]), MIN_SECONDS), seconds)
+
+
 @dataclass
 class _Sent:
     round: int
@@ -260,20 +268,27 @@ class MeasuredLinkStrategy(Strategy):
         """Observe the transfers a node's SuperNode timed on its link (``fedcomp.clients.supernode``):
         this broadcast's pull now, the node's previous reply's push (it ends after that reply left,
         so it comes with this one), and as the node's overhead the rest of that previous round:
-        its wall time from push to arrival, less its compute and both link transfers."""
+        its wall time from push to arrival, less its compute and both link transfers. Where the
+        SuperNode timed a transfer's bytes on the wire, the estimator's rate comes from that. A
+        reply in time lets slow start grow from its size before its push is timed."""
         down_bytes, down_s = int(record[links.LINK_DOWN_BYTES]), max(float(record[links.LINK_DOWN_S]), MIN_SECONDS)
-        up_bytes = up_s = None
+        down_wire = _wire(record, links.LINK_DOWN_WIRE_S, down_s)
+        up_bytes = up_s = up_wire = None
         previous = self._last_reply.get(node)
         if previous is not None and str(record.get(links.LINK_UP_OF, "")) == previous[0]:
             up_bytes = int(record[links.LINK_UP_BYTES])
             up_s = max(float(record[links.LINK_UP_S]), MIN_SECONDS)
+            up_wire = _wire(record, links.LINK_UP_WIRE_S, up_s)
             self.budgets.observe_overhead(node, previous[1] - up_s)
         self._last_reply[node] = (msg.metadata.reply_to_message_id, wall_s - down_s)
-        self.budgets.observe(node, up_bytes=up_bytes, up_s=up_s, down_bytes=down_bytes, down_s=down_s)
+        self.budgets.observe(node, up_bytes=up_bytes, up_s=up_s, down_bytes=down_bytes, down_s=down_s,
+                             up_wire_s=up_wire, down_wire_s=down_wire)
+        if wall_s + entry["compute_s"] <= self.budgets.deadline_s:  # slow start grows before the push is timed
+            self.budgets.observe_arrival(node, entry["upload_bytes"])
         up = self.budgets.estimator.estimate(node, "up")
         down = self.budgets.down_estimate(node)
         entry.update(timed_by="supernode", observed_down_s=down_s, link_down_bytes=down_bytes,
-                     observed_up_s=up_s, link_up_bytes=up_bytes, wall_s=wall_s,
+                     observed_up_s=up_s, link_up_bytes=up_bytes, wire_down_s=down_wire, wire_up_s=up_wire, wall_s=wall_s,
                      overhead_s=self.budgets.overhead_s(node), est_down_kbps=down[0], est_down_latency_s=down[1],
                      est_up_kbps=None if up is None else up[0], est_up_latency_s=None if up is None else up[1])
         self._estimated_budget(entry, sent, entry["compute_s"])
