@@ -24,9 +24,11 @@ Run it in place of ``flower-supernode``, with the same arguments::
    transfer is in flight the SuperNode also samples its network namespace's interface counters
    (:func:`interface_bytes`, Linux's ``/proc/net/dev``, loopback left out) every
    :data:`WIRE_SAMPLE_S` seconds, and records as ``wire_s`` the seconds the transfer's bytes took
-   crossing the interface (:func:`wire_seconds`): the bytes' rate on the link itself. Where the
+   crossing the interface at the rate its largest call's bytes did (:meth:`WireClock.stop`): the
+   link's own rate, without the ends' work and without the round trips between calls. Where the
    counters did not see the transfer (a SuperLink on the same host, other traffic as large as
-   the transfer, a transfer too short to sample) it records none, and the calls' time stands.
+   the transfer, a call too short to sample, no call with most of the bytes) it records none, and
+   the calls' time stands.
 2. **It polls sooner while a run is active.** Flower 1.39's SuperNode waits 3 s after an empty
    poll of the SuperLink and 0.5 s between checks for a ClientApp's reply: 1.75 s a round on
    average, the same for a dense and a compressed round. Here a wait lasts at most
@@ -64,7 +66,8 @@ LINK_FILE_FORMAT = 1
 NET_DEV = "/proc/net/dev"  # Linux: this network namespace's interfaces and their byte counters
 WIRE_SAMPLE_S = 0.004  # seconds between interface counter samples while a transfer is in flight (~40 us each)
 WIRE_MIN_SAMPLES = 10  # a transfer whose bytes crossed in fewer sampling intervals is not wire-timed
-WIRE_TAIL = 0.01  # the first and last share of a transfer's bytes left out of its wire time (see wire_seconds)
+WIRE_TAIL = 0.01  # the first and last share of a call's bytes left out of its wire time (see wire_seconds)
+WIRE_SHARE = 0.8  # a transfer is wire-timed by its largest call when that call carries at least this share
 
 
 def _links_dir(folder: Path | None) -> Path:
@@ -143,13 +146,13 @@ def wire_seconds(samples: Sequence[tuple[float, int]], nbytes: int, interval: fl
 
 class WireClock:
     """Samples one direction's interface byte counter (``'down'``: received, ``'up'``: sent) in a
-    thread from :meth:`start` to :meth:`stop`, which returns :func:`wire_seconds` of ``nbytes``.
-    ``read``: the counters (:func:`interface_bytes`; tests pass their own)."""
+    thread from :meth:`start` to :meth:`stop`. ``read``: the counters (default :func:`interface_bytes`)."""
 
-    def __init__(self, direction: str, read=interface_bytes, interval: float = WIRE_SAMPLE_S) -> None:
+    def __init__(self, direction: str, read=None, interval: float = WIRE_SAMPLE_S) -> None:
         if direction not in ("down", "up"):
             raise ValueError(f"direction={direction!r} is invalid: 'down' or 'up'")
-        self.index, self.read, self.interval = (0 if direction == "down" else 1), read, interval
+        self.index, self.interval = (0 if direction == "down" else 1), interval
+        self.read = interface_bytes if read is None else read
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -171,13 +174,26 @@ class WireClock:
             self._thread.start()
         return self
 
-    def stop(self, nbytes: int) -> float | None:
+    def stop(self, transfer: "Transfer | None") -> float | None:
+        """Stop sampling; the seconds ``transfer``'s bytes took on the wire at the rate its largest call's
+        bytes crossed it (:func:`wire_seconds` over that call's interval): a transfer is a few calls
+        with round trips between them, during which nothing crosses, and the small calls' bytes are
+        mostly those round trips. None where the largest call carries less than :data:`WIRE_SHARE`
+        of the bytes, or its bytes were not timed."""
         if self._thread is None:
             return None
         self._stop.set()
         self._thread.join()
         self._sample()
-        return wire_seconds(self.samples, nbytes, self.interval)
+        call = None if transfer is None else transfer.largest()
+        if call is None or call[2] < WIRE_SHARE * transfer.bytes:
+            return None
+        start, end, nbytes = call
+        before = [s for s in self.samples if s[0] <= start][-1:]
+        after = [s for s in self.samples if s[0] >= end][:1]
+        inside = [s for s in self.samples if start < s[0] < end]
+        wire = wire_seconds(before + inside + after, nbytes, self.interval)
+        return None if wire is None else wire * transfer.bytes / nbytes
 
 
 class Transfer:
@@ -186,24 +202,29 @@ class Transfer:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._spans: list[tuple[float, float]] = []
+        self._calls: list[tuple[float, float, int]] = []
         self.bytes = 0
         self.wire_s: float | None = None
 
     def add(self, start: float, end: float, nbytes: int) -> None:
         with self._lock:
-            self._spans.append((start, end))
+            self._calls.append((start, end, int(nbytes)))
             self.bytes += int(nbytes)
+
+    def largest(self) -> tuple[float, float, int] | None:
+        """(start, end, bytes) of the call that moved the most bytes (None before any call)."""
+        with self._lock:
+            return max(self._calls, key=lambda call: call[2], default=None)
 
     @property
     def calls(self) -> int:
-        return len(self._spans)
+        return len(self._calls)
 
     @property
     def seconds(self) -> float:
         """Length of the union of the calls' intervals (concurrent calls count once)."""
         total, end = 0.0, -float("inf")
-        for a, b in sorted(self._spans):
+        for a, b, _ in sorted(self._calls):
             if b <= end:
                 continue
             total += b - max(a, end)
@@ -329,7 +350,7 @@ def install(poll_s: float = DEFAULT_POLL_S, folder: Path | None = None) -> LinkL
         try:
             out = pull_objects(object_ids, transfer.timed(pull_object_fn), **kwargs)
         finally:
-            transfer.wire_s = clock.stop(transfer.bytes)
+            transfer.wire_s = clock.stop(transfer)
         if current:  # before the objects are stored: before the ClientApp can read them
             log.record(current["node"], "down", current["message"], transfer)
         return out
@@ -354,7 +375,7 @@ def install(poll_s: float = DEFAULT_POLL_S, folder: Path | None = None) -> LinkL
         try:
             out = push(**kwargs)
         finally:
-            wire_s = clock.stop(sends[0][2].bytes if len(sends) == 1 else 0)
+            wire_s = clock.stop(sends[0][2] if len(sends) == 1 else None)
         sleeps.mark()
         if len(sends) == 1:  # one reply's bytes on the interface (Flower's loop sends one at a time)
             sends[0][2].wire_s = wire_s

@@ -229,8 +229,11 @@ class LinkEstimator:
         return sd / math.sqrt(len(rel))
 
     def estimate(self, node: int, direction: str) -> tuple[float, float] | None:
-        """(kbps, latency seconds), or None before any transfer was seen. Latency: the last fit
-        (0 before one: the bandwidth is then a lower bound, so a budget from it errs short)."""
+        """(kbps, latency seconds), or None before any transfer was seen. Where kept transfers were
+        timed on the wire: their bytes over their wire seconds, and the mean of what every kept
+        transfer took besides its bytes at that rate (the ends' work grows with the bytes, so a small
+        transfer's time is over-predicted: budgets err short). Otherwise latency: the last fit (0
+        before one: the bandwidth is then a lower bound, so a budget from it errs short)."""
         key = (int(node), direction)
         seen = self._seen.get(key)
         if not seen:
@@ -238,8 +241,7 @@ class LinkEstimator:
         wired = [(b, w) for b, _, w in seen if w is not None]
         if wired:  # the rate on the link itself; the latency: what the transfers took besides their bytes
             kbps = sum(b for b, _ in wired) * 8 / sum(w for _, w in wired) / 1000
-            latency = sum(s - b * 8 / (kbps * 1000) for b, s, _ in seen) / len(seen)
-            return kbps, min(max(0.0, latency), min(s for _, s, _ in seen))
+            return kbps, max(0.0, sum(s - b * 8 / (kbps * 1000) for b, s, _ in seen) / len(seen))
         latency = min(self._latency.get(key, 0.0), min(s for _, s, _ in seen))
         # bandwidth from the time left after latency, over all kept transfers (a sum, not a mean of ratios)
         busy = sum(max(s - latency, 1e-9) for _, s, _ in seen)
@@ -531,10 +533,8 @@ class MeasuredBudgets:
         return mean + self.z * sd
 
     def _growth_cap(self, node: int) -> int:
-        """Slow start's byte cap: ``growth`` x the node's largest upload in time (``first`` before any)."""
-        if node not in self._largest:
-            return self.first
-        return max(1, math.floor(self.growth * self._largest[node]))
+        """Slow start's byte cap: ``growth`` x the node's largest upload in time, never below ``first``."""
+        return max(self.first, math.floor(self.growth * self._largest.get(node, 0)))
 
     def _slack(self, node: int, direction: str) -> float:
         u = self.estimator.uncertainty(node, direction)

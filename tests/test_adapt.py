@@ -239,6 +239,41 @@ def test_latency_fit_is_kept_when_sizes_stop_differing():
     assert est.uncertainty(1, "down") is None
 
 
+def test_wire_timed_transfers_give_the_links_rate_and_the_rest_as_latency():
+    """Transfers of one size (dense broadcasts: no fit possible) whose calls took 0.6 s besides their
+    bytes at 200 Mbit/s (the ends' work): the calls alone read 139 Mbit/s; with the wire times the
+    rate is the link's and the 0.6 s is latency, so a transfer's time is still predicted whole."""
+    kbps, nbytes, ends = 200_000.0, 34_000_000, 0.6
+    wire = nbytes * 8 / (kbps * 1000)
+    calls_only, timed = LinkEstimator(), LinkEstimator()
+    for _ in range(3):
+        calls_only.observe(1, "down", nbytes, wire + ends)
+        timed.observe(1, "down", nbytes, wire + ends, wire_s=wire)
+    assert calls_only.estimate(1, "down")[0] == pytest.approx(kbps * wire / (wire + ends), rel=1e-6)
+    assert not calls_only.fitted(1, "down")
+    got_kbps, got_latency = timed.estimate(1, "down")
+    assert got_kbps == pytest.approx(kbps, rel=1e-6) and got_latency == pytest.approx(ends, rel=1e-6)
+    assert timed.fitted(1, "down") and timed.uncertainty(1, "down") == pytest.approx(0, abs=1e-9)
+    # small transfers the counters could not time keep their own remainder in the latency's mean
+    timed.observe(1, "down", 1_000, 0.05)
+    assert timed.estimate(1, "down")[0] == pytest.approx(kbps, rel=1e-6)
+    assert timed.estimate(1, "down")[1] == pytest.approx((3 * ends + 0.05 - 1_000 * 8 / (kbps * 1000)) / 4, rel=1e-6)
+    with pytest.raises(AdaptError, match="wire_s"):
+        timed.observe(1, "down", 1_000, 0.05, wire_s=0.0)
+
+
+def test_slow_start_grows_from_replies_in_time_before_their_push_is_timed():
+    mb = MeasuredBudgets(40.0)
+    assert mb.budget(3, 1, download_bytes=10**6, compute_s=1.0) == 4096  # first contact
+    assert mb.link(3).byte_cap == 4096
+    mb.observe_arrival(3, 4000)  # round 1's reply arrived in time; its push is timed with round 2's
+    assert mb.budget(3, 2, download_bytes=10**6, compute_s=1.0) == 16_000
+    assert mb.link(3).byte_cap == 16_000
+    mb.observe(3, up_bytes=4000, up_s=0.05, down_bytes=10**6, down_s=1.0)  # the timing, one round late
+    mb.observe_arrival(3, 16_000)
+    assert mb._growth_cap(3) == 64_000 and mb.link(3).byte_cap == 64_000
+
+
 def test_measured_budgets_converge_to_the_declared_links_and_meet_the_deadline():
     deadline, down_bytes, compute = 12.0, 937_000, 1.0
     hidden = {n: links.with_deadline(links.PRESETS[p], deadline) for n, p in enumerate(("3g-edge", "4g"))}

@@ -223,16 +223,32 @@ def test_the_mod_reports_this_broadcasts_pull_and_the_last_push(monkeypatch, tmp
     assert _timings(monkeypatch, tmp_path, deployed=False)[0] == {}  # a simulation: no SuperNode of its own
     _write(tmp_path, down={"message": mid, "bytes": "many", "seconds": 0.5})
     assert _timings(monkeypatch, tmp_path)[0] == {}
+    _write(tmp_path, down={"message": mid, "bytes": 900, "seconds": 0.5, "wire_s": 0.25},
+           up={"message": "earlier", "bytes": 300, "seconds": 0.25, "wire_s": None})
+    out, _ = _timings(monkeypatch, tmp_path)
+    assert out[links.LINK_DOWN_WIRE_S] == 0.25 and links.LINK_UP_WIRE_S not in out
 
 
 # -- the server estimates from them --------------------------------------------------------------
-def _reply(node, reply_to, *, received_at, compute_s=1.0, down=None, up=None):
+def _reply(node, reply_to, *, received_at, compute_s=1.0, down=None, up=None, payload=0):
+    """``down``: (bytes, seconds[, wire seconds]); ``up``: (message, bytes, seconds[, wire seconds]);
+    ``payload``: bytes of an array in the reply."""
     record = {P.COMPUTE_S: compute_s, P.BUDGET: 1000, links.RECEIVED_AT: received_at}
     if down is not None:
         record.update({links.LINK_DOWN_BYTES: down[0], links.LINK_DOWN_S: down[1]})
+        if len(down) > 2:
+            record[links.LINK_DOWN_WIRE_S] = down[2]
     if up is not None:
         record.update({links.LINK_UP_OF: up[0], links.LINK_UP_BYTES: up[1], links.LINK_UP_S: up[2]})
-    msg = Message(RecordDict({P.UPLOAD_RECORD: ConfigRecord(record)}), dst_node_id=0, message_type="train")
+        if len(up) > 3:
+            record[links.LINK_UP_WIRE_S] = up[3]
+    content = RecordDict({P.UPLOAD_RECORD: ConfigRecord(record)})
+    if payload:
+        import numpy as np
+        from flwr.app import Array, ArrayRecord
+
+        content["payload"] = ArrayRecord({"p": Array(np.zeros(payload, dtype=np.uint8))})
+    msg = Message(content, dst_node_id=0, message_type="train")
     msg.metadata.__dict__["_reply_to_message_id"] = reply_to
     return msg
 
@@ -275,6 +291,40 @@ def test_the_server_estimates_the_link_from_the_supernodes_timings_and_keeps_the
     assert link.latency_ms == pytest.approx((0.05 * strategy.budgets._slack(0, "up") + 3.0) * 1000, rel=0.01)
 
 
+def test_the_server_takes_the_rate_from_the_wire_and_grows_slow_start_from_replies_in_time():
+    """A 200 Mbit/s downlink whose 34 MB pulls took 0.6 s besides their 1.37 s on the wire, and
+    uploads timed on the wire too: the estimates are the link's rates; the replies arrived in time,
+    so each round's cap is 4x the last reply, not 4x the last one timed."""
+    from fedcomp.strategies.measured import MeasuredLinkStrategy, _Sent
+    from fedcomp.strategies.wrapper import CompressedStrategy
+    from flwr.serverapp.strategy import FedAvg
+
+    strategy = MeasuredLinkStrategy(CompressedStrategy(FedAvg(), upload="topk(ratio=0.1,index='fixed')+qsgd(bits=4)",
+                                                       download="none()"), 40.0)
+    nbytes, wire = 34_000_000, 34_000_000 * 8 / 200e6
+    t, caps, sizes = 100.0, [], [4_000, 16_000, 64_000, 256_000]
+    for r, size in enumerate(sizes):
+        up = (f"m{r - 1}", sizes[r - 1], 0.04 + sizes[r - 1] * 8 / 20e6, sizes[r - 1] * 8 / 20e6) if r else None
+        sent = _Sent(r + 1, strategy.budgets.link(0), nbytes, t)
+        caps.append(sent.link.byte_cap)
+        received = t + wire + 0.6 + 1.0
+        strategy._record(_reply(0, f"m{r}", received_at=received, down=(nbytes, wire + 0.6, wire), up=up,
+                                payload=size), received + 2.0, 0, sent)
+        t = received + 3.0
+    e = strategy.estimates[-1]
+    assert e["est_down_kbps"] == pytest.approx(200_000, rel=1e-6) and e["est_down_latency_s"] == pytest.approx(0.6)
+    assert e["est_up_kbps"] == pytest.approx(20_000, rel=1e-6) and e["est_up_latency_s"] == pytest.approx(0.04)
+    assert e["wire_down_s"] == pytest.approx(wire) and e["wire_up_s"] == pytest.approx(64_000 * 8 / 20e6)
+    replies = [x["upload_bytes"] for x in strategy.estimates]
+    assert all(size < got < size + 2_000 for size, got in zip(sizes, replies))
+    assert caps == [4096] + [4 * got for got in replies[:-1]]  # each 4x the last reply, before its push was timed
+    # a late reply does not grow it
+    sent = _Sent(5, strategy.budgets.link(0), nbytes, t)
+    strategy._record(_reply(0, "m4", received_at=t + 30, down=(nbytes, wire + 0.6, wire), payload=2_000_000),
+                     t + 45, 0, sent)
+    assert strategy.budgets._growth_cap(0) == 4 * replies[-1]
+
+
 def test_an_upload_timing_of_another_message_is_not_observed():
     from fedcomp.strategies.measured import MeasuredLinkStrategy, _Sent
     from fedcomp.strategies.wrapper import CompressedStrategy
@@ -286,3 +336,107 @@ def test_an_upload_timing_of_another_message_is_not_observed():
     strategy._record(_reply(0, "m1", received_at=130.0, down=(1000, 0.1), up=("not-m0", 500, 0.2)), 140.0, 0,
                      _Sent(2, strategy.budgets.link(0), 1000, 121.0))
     assert strategy.estimates[-1]["observed_up_s"] is None and strategy.budgets.overhead_s(0) == 0.0
+
+
+# -- the bytes on the wire -----------------------------------------------------------------------
+def _bulk(before_s, bulk_s, after_s, nbytes, step=0.004, frame=1.05):
+    """Counter samples of a transfer: ``before_s`` of nothing (the SuperLink serialising), then
+    ``nbytes`` x ``frame`` (framing) at a steady rate over ``bulk_s``, then ``after_s`` of nothing
+    (this process parsing)."""
+    samples, t, total = [], 0.0, 0
+    wire = nbytes * frame
+    while t <= before_s + bulk_s + after_s + 1e-9:
+        if t > before_s:
+            total = min(wire, wire * (t - before_s) / bulk_s)
+        samples.append((round(t, 6), 1000 + int(total)))
+        t += step
+    return samples
+
+
+def test_wire_seconds_is_the_bulks_time_without_the_ends_work():
+    got = sn.wire_seconds(_bulk(0.4, 1.37, 0.18, 34_000_000), 34_000_000)
+    assert got == pytest.approx(1.37, rel=0.01)  # the calls took 1.95 s; the link 1.37 s
+    # what it leaves alone: no rise (loopback), other traffic as large, a bulk too short to sample
+    assert sn.wire_seconds([(0.0, 5), (1.0, 5)], 1000) is None
+    assert sn.wire_seconds(_bulk(0.1, 1.0, 0.1, 1000, frame=2.0), 1000) is None
+    assert sn.wire_seconds(_bulk(0.01, 0.02, 0.01, 4000), 4000) is None
+    assert sn.wire_seconds([(0.0, 5)], 1000) is None and sn.wire_seconds([], 0) is None
+
+
+def test_interface_bytes_leaves_loopback_out(tmp_path):
+    dev = tmp_path / "dev"
+    dev.write_text("Inter-|   Receive |  Transmit\n face |bytes packets|bytes packets\n"
+                   "    lo: 900 9 0 0 0 0 0 0 800 8 0 0 0 0 0 0\n"
+                   "  eth0: 100 1 0 0 0 0 0 0 70 1 0 0 0 0 0 0\n"
+                   "veth1: 20 1 0 0 0 0 0 0 3 1 0 0 0 0 0 0\n")
+    assert sn.interface_bytes(str(dev)) == (120, 73)
+    assert sn.interface_bytes(str(tmp_path / "missing")) is None
+    dev.write_text("a\nb\neth0: x y\n")
+    assert sn.interface_bytes(str(dev)) is None
+
+
+def test_a_wire_clock_samples_while_running_and_needs_counters():
+    start = time.monotonic()
+
+    def counters():  # 1 MB a second from 0.05 s after the start, received; nothing sent
+        return int(max(0.0, time.monotonic() - start - 0.05) * 1e6), 0
+
+    clock = sn.WireClock("down", read=counters, interval=0.002).start()
+    time.sleep(0.25)
+    call = sn.Transfer()
+    call.add(start, time.monotonic(), int((time.monotonic() - start - 0.05) * 1e6 / 1.02))
+    got = clock.stop(call)
+    assert got is not None and 0.1 < got < 0.3 and len(clock.samples) > 20
+    assert sn.WireClock("up", read=lambda: None).start().stop(call) is None  # no counters: no thread, no time
+    with pytest.raises(ValueError, match="'sideways'"):
+        sn.WireClock("sideways")
+
+
+def test_a_transfer_is_wire_timed_by_its_largest_call_without_the_round_trips_between_calls():
+    """Three calls one after the other with 0.1 s round trips between and before them: 20 kB,
+    then 2 kB, 1 kB; the wire rate is the big call's, so the transfer's 23 kB take 23/20 of its
+    bulk, not the 0.4 s the bytes were spread over. A transfer without a call of most of its bytes
+    is not wire-timed."""
+    clock = sn.WireClock("up", read=lambda: (0, 0))
+    clock._thread = True  # stand-in: the samples below, no thread
+    clock._stop = type("E", (), {"set": lambda self: None})()
+    clock._sample = lambda: True
+    rate = 200_000  # bytes a second on the wire
+    clock.samples = [(round(i * 0.004, 4), 0) for i in range(26)]  # 0-0.1 s: the first round trip
+    for i in range(1, 26):  # 0.1-0.2 s: 20 kB
+        clock.samples.append((round(0.1 + i * 0.004, 4), int(min(20_000, rate * i * 0.004))))
+    for i in range(1, 51):  # 0.2-0.4 s: round trips and the small calls' 3 kB
+        clock.samples.append((round(0.2 + i * 0.004, 4), 20_000 + (2_000 if i > 25 else 0) + (1_000 if i > 45 else 0)))
+    clock._thread = type("T", (), {"join": lambda self: None})()
+    t = sn.Transfer()
+    for call in [(0.0, 0.2, 20_000), (0.2, 0.3, 2_000), (0.3, 0.4, 1_000)]:
+        t.add(*call)
+    got = clock.stop(t)
+    assert got == pytest.approx(23_000 / rate, rel=0.1) and got < 0.2
+    even = sn.Transfer()
+    for call in [(0.0, 0.2, 20_000), (0.2, 0.3, 20_000)]:
+        even.add(*call)
+    assert clock.stop(even) is None and clock.stop(None) is None
+
+
+def test_the_wire_time_goes_with_the_transfer_into_the_file(flower_loop, tmp_path, monkeypatch):
+    """The loop's pull with the interface counters rising as its calls run: the file has the
+    calls' seconds and the wire's, the mod reports both, and the server's estimate is the wire's rate."""
+    sci, stored, _ = flower_loop
+    moved = [0]
+    monkeypatch.setattr(sn, "interface_bytes", lambda: (moved[0], 0))
+
+    def pull_object(run_id, obj_id):  # "a": the ends' work, then 100 kB in ~50 ms on the wire; "b", "c": small
+        if obj_id != "a":
+            return b"x"
+        time.sleep(0.05)
+        for _ in range(25):
+            moved[0] += 4_000
+            time.sleep(0.002)
+        time.sleep(0.05)
+        return b"x" * 99_998
+
+    sci._pull_and_store_message(state=_State(), receive=lambda: (_Msg("msg-1"), None), pull_object=pull_object)
+    down = sn.read_link_file(42, tmp_path)["down"]
+    assert down["bytes"] == 100_000 and down["seconds"] > 0.15
+    assert down["wire_s"] is not None and 0.03 < down["wire_s"] < down["seconds"] * 0.6
