@@ -65,8 +65,9 @@ IDLE_SHARE = 0.05  # a wait is at most this share of the time since the node's l
 LINK_FILE_FORMAT = 1
 NET_DEV = "/proc/net/dev"  # Linux: this network namespace's interfaces and their byte counters
 WIRE_SAMPLE_S = 0.004  # seconds between interface counter samples while a transfer is in flight (~40 us each)
-WIRE_MIN_SAMPLES = 10  # a transfer whose bytes crossed in fewer sampling intervals is not wire-timed
-WIRE_TAIL = 0.01  # the first and last share of a call's bytes left out of its wire time (see wire_seconds)
+WIRE_MIN_SAMPLES = 10  # a call whose middle bytes crossed in fewer sampling intervals is not wire-timed
+WIRE_MIN_BYTES = 65536  # nor is a smaller call: its time is TCP's and the link's start-up more than the rate
+WIRE_TAIL = 0.1  # the first and last share of a call's bytes left out of its wire time (see wire_seconds)
 WIRE_SHARE = 0.8  # a transfer is wire-timed by its largest call when that call carries at least this share
 
 
@@ -120,13 +121,14 @@ def wire_seconds(samples: Sequence[tuple[float, int]], nbytes: int, interval: fl
     The counter's rise over the samples is the transfer's bytes on the wire (its payload plus TCP/IP
     framing). The time between :data:`WIRE_TAIL` and ``1 - WIRE_TAIL`` of that rise (each
     interpolated between samples) over ``1 - 2 x WIRE_TAIL`` is the time the whole rise took at the
-    rate it ran: what the SuperLink did before the first byte left and this process after the last
-    arrived is outside it, and so are the few bytes of the calls' requests. None where the counter
-    did not see the transfer (it rose less than ``nbytes`` x 0.9: another path, such as loopback; or
-    more than ``nbytes`` x 1.5: other traffic as large as the transfer shares the interface) or
-    where the rise lasted fewer than :data:`WIRE_MIN_SAMPLES` sampling intervals (too short to
-    time this way)."""
-    if len(samples) < 2 or nbytes <= 0:
+    rate its middle ran. Outside it: what the SuperLink did before the first byte left and this
+    process after the last arrived, the requests' and acknowledgements' few bytes, a token bucket's
+    burst after an idle link, a flow-control window's wait for its update near the end. None where
+    ``nbytes`` is under :data:`WIRE_MIN_BYTES`, where the counter did not see the transfer (it rose
+    less than ``nbytes`` x 0.9: another path, such as loopback; or more than ``nbytes`` x 1.5: other
+    traffic as large as the transfer shares the interface) or where the middle took fewer than
+    :data:`WIRE_MIN_SAMPLES` sampling intervals (too short to time this way)."""
+    if len(samples) < 2 or nbytes < WIRE_MIN_BYTES:
         return None
     base, rise = samples[0][1], samples[-1][1] - samples[0][1]
     if not 0.9 * nbytes <= rise <= 1.5 * nbytes:

@@ -108,7 +108,8 @@ def estimator_errors(results: dict, node_index: dict[int, int], links: list[Link
                         "upload_bytes": e.get("link_up_bytes") if by_node else e.get("upload_bytes"),
                         "download_bytes": e.get("link_down_bytes") if by_node else e.get("download_bytes"),
                         "est_up_latency_s": e.get("est_up_latency_s"), "est_down_latency_s": e.get("est_down_latency_s"),
-                        "budget": e.get("budget"), "compute_s": e.get("compute_s")})
+                        "budget": e.get("budget"), "compute_s": e.get("compute_s"),
+                        "wire_up_s": e.get("wire_up_s"), "wire_down_s": e.get("wire_down_s")})
     for e in out:  # what the shaped link alone would take: bytes at its rate plus its latency
         link = links[e["node"]]
         if e["upload_bytes"] and e["observed_up_s"] is not None:
@@ -181,16 +182,22 @@ def write_estimates(errors: list[dict], links: list[Link], from_round: int = 5) 
                      f"node-rounds, downlink in {ok_down}/{len(late)}.")
     lines.append("\nWhat the server observed against what the shaped link alone takes (bytes at the rate + latency), "
                  "per direction, over all node-rounds:\n")
-    lines.append("| direction | bytes (median) | observed s (median) | shaped link s (median) | excess s (min / median / max) |")
-    lines.append("|---|---:|---:|---:|---:|")
+    lines.append("| direction | bytes (median) | observed s (median) | shaped link s (median) | excess s (min / median / max) "
+                 "| timed on the wire | wire s / shaped s at the rate (min / median / max) |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|")
     for d, key in (("down", "download_bytes"), ("up", "upload_bytes")):
         rows = [e for e in errors if f"excess_{d}_s" in e]
         if not rows:
             continue
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         ex = [e[f"excess_{d}_s"] for e in rows]
+        wired = [e for e in rows if e.get(f"wire_{d}_s") is not None]
+        rate = lambda e: e[f"{d}_kbps"] * 1000 / 8  # noqa: E731
+        ratios = [e[f"wire_{d}_s"] / (e[key] / rate(e)) for e in wired]
+        spread = f"{min(ratios):.3f} / {med(ratios):.3f} / {max(ratios):.3f}" if ratios else "-"
         lines.append(f"| {d} | {med([e[key] for e in rows]):,} | {med([e[f'observed_{d}_s'] for e in rows]):.2f} | "
-                     f"{med([e[f'shaped_{d}_s'] for e in rows]):.2f} | {min(ex):.2f} / {med(ex):.2f} / {max(ex):.2f} |")
+                     f"{med([e[f'shaped_{d}_s'] for e in rows]):.2f} | {min(ex):.2f} / {med(ex):.2f} / {max(ex):.2f} "
+                     f"| {len(wired)} of {len(rows)} | {spread} |")
     return "\n".join(lines)
 
 

@@ -115,3 +115,25 @@ def test_fedcomp_run_on_kernel_shaped_links(tmp_path):
     assert estimates and all(e["status"] == "ok" for e in estimates)
     out = shaped._run(["ip", "netns", "list"]).stdout
     assert not any(name in out for name in names), "namespaces left behind"
+
+
+def test_the_estimates_table_counts_wire_timed_transfers_and_their_rate():
+    """deploy_links' report from a measured run's results: errors against the shaped rates from
+    round 5, and per direction how many transfers the SuperNode timed on the wire and their wire
+    time over the shaped link's time for their bytes (1.0: the wire carried the shaped rate)."""
+    from fedcomp.simulations import deploy_links
+
+    link = Link(1000, 10000, 50)
+    rounds = []
+    for r in range(1, 7):
+        rounds.append({"round": r, "link_estimates": [{
+            "node": 77, "est_up_kbps": 1100.0, "est_down_kbps": 9000.0 if r < 6 else 5000.0, "timed_by": "supernode",
+            "observed_up_s": 0.5, "observed_down_s": 2.0, "link_up_bytes": 50_000, "link_down_bytes": 1_000_000,
+            "wire_up_s": 0.4 if r > 2 else None, "wire_down_s": 0.8, "budget": 1, "compute_s": 1.0}]})
+    errors = deploy_links.estimator_errors({"rounds": rounds}, {77: 0}, [link])
+    assert [e["wire_up_s"] for e in errors][:3] == [None, None, 0.4]
+    table = deploy_links.write_estimates(errors, [link])
+    assert "| 0 | 1,000 / 10,000 |" in table and "+10%..+10% | -50%..-10% |" in table
+    assert "within 15% of the shaped rate in 2/2 node-rounds, downlink in 1/2" in table
+    assert "| down | 1,000,000 | 2.00 | 0.85 | 1.15 / 1.15 / 1.15 | 6 of 6 | 1.000 / 1.000 / 1.000 |" in table
+    assert "| up | 50,000 | 0.50 | 0.45 | 0.05 / 0.05 / 0.05 | 4 of 6 | 1.000 / 1.000 / 1.000 |" in table

@@ -359,8 +359,13 @@ def test_wire_seconds_is_the_bulks_time_without_the_ends_work():
     # what it leaves alone: no rise (loopback), other traffic as large, a bulk too short to sample
     assert sn.wire_seconds([(0.0, 5), (1.0, 5)], 1000) is None
     assert sn.wire_seconds(_bulk(0.1, 1.0, 0.1, 1000, frame=2.0), 1000) is None
-    assert sn.wire_seconds(_bulk(0.01, 0.02, 0.01, 4000), 4000) is None
-    assert sn.wire_seconds([(0.0, 5)], 1000) is None and sn.wire_seconds([], 0) is None
+    assert sn.wire_seconds(_bulk(0.01, 0.02, 0.01, 400_000), 400_000) is None  # 20 ms: 5 samples
+    assert sn.wire_seconds(_bulk(0.1, 1.0, 0.1, 60_000), 60_000) is None  # under 64 KiB
+    assert sn.wire_seconds([(0.0, 5)], 100_000) is None and sn.wire_seconds([], 0) is None
+    # a burst after idle, acknowledgements at the end, a flow-control wait: outside the middle 80%
+    samples = [(0.0, 0), (0.004, 6_000)] + [(0.004 + i * 0.004, 6_000 + i * 500) for i in range(1, 201)]
+    samples += [(0.9, 106_000), (1.0, 106_100), (1.004, 106_100)]  # the last 100 B of acknowledgements later
+    assert sn.wire_seconds(samples, 100_000) == pytest.approx(106_100 / 125_000, rel=0.02)
 
 
 def test_interface_bytes_leaves_loopback_out(tmp_path):
@@ -384,7 +389,7 @@ def test_a_wire_clock_samples_while_running_and_needs_counters():
     clock = sn.WireClock("down", read=counters, interval=0.002).start()
     time.sleep(0.25)
     call = sn.Transfer()
-    call.add(start, time.monotonic(), int((time.monotonic() - start - 0.05) * 1e6 / 1.02))
+    call.add(start, time.monotonic(), int((time.monotonic() - start - 0.05) * 1e6 / 1.02))  # ~200 kB
     got = clock.stop(call)
     assert got is not None and 0.1 < got < 0.3 and len(clock.samples) > 20
     assert sn.WireClock("up", read=lambda: None).start().stop(call) is None  # no counters: no thread, no time
@@ -393,28 +398,28 @@ def test_a_wire_clock_samples_while_running_and_needs_counters():
 
 
 def test_a_transfer_is_wire_timed_by_its_largest_call_without_the_round_trips_between_calls():
-    """Three calls one after the other with 0.1 s round trips between and before them: 20 kB,
-    then 2 kB, 1 kB; the wire rate is the big call's, so the transfer's 23 kB take 23/20 of its
+    """Three calls one after the other with 0.1 s round trips between and before them: 200 kB,
+    then 20 kB, 10 kB; the wire rate is the big call's, so the transfer's 230 kB take 23/20 of its
     bulk, not the 0.4 s the bytes were spread over. A transfer without a call of most of its bytes
     is not wire-timed."""
     clock = sn.WireClock("up", read=lambda: (0, 0))
     clock._thread = True  # stand-in: the samples below, no thread
     clock._stop = type("E", (), {"set": lambda self: None})()
     clock._sample = lambda: True
-    rate = 200_000  # bytes a second on the wire
+    rate = 2_000_000  # bytes a second on the wire
     clock.samples = [(round(i * 0.004, 4), 0) for i in range(26)]  # 0-0.1 s: the first round trip
-    for i in range(1, 26):  # 0.1-0.2 s: 20 kB
-        clock.samples.append((round(0.1 + i * 0.004, 4), int(min(20_000, rate * i * 0.004))))
-    for i in range(1, 51):  # 0.2-0.4 s: round trips and the small calls' 3 kB
-        clock.samples.append((round(0.2 + i * 0.004, 4), 20_000 + (2_000 if i > 25 else 0) + (1_000 if i > 45 else 0)))
+    for i in range(1, 26):  # 0.1-0.2 s: 200 kB
+        clock.samples.append((round(0.1 + i * 0.004, 4), int(min(200_000, rate * i * 0.004))))
+    for i in range(1, 51):  # 0.2-0.4 s: round trips and the small calls' 30 kB
+        clock.samples.append((round(0.2 + i * 0.004, 4), 200_000 + (20_000 if i > 25 else 0) + (10_000 if i > 45 else 0)))
     clock._thread = type("T", (), {"join": lambda self: None})()
     t = sn.Transfer()
-    for call in [(0.0, 0.2, 20_000), (0.2, 0.3, 2_000), (0.3, 0.4, 1_000)]:
+    for call in [(0.0, 0.2, 200_000), (0.2, 0.3, 20_000), (0.3, 0.4, 10_000)]:
         t.add(*call)
     got = clock.stop(t)
-    assert got == pytest.approx(23_000 / rate, rel=0.1) and got < 0.2
+    assert got == pytest.approx(230_000 / rate, rel=0.1) and got < 0.2
     even = sn.Transfer()
-    for call in [(0.0, 0.2, 20_000), (0.2, 0.3, 20_000)]:
+    for call in [(0.0, 0.2, 200_000), (0.2, 0.3, 200_000)]:
         even.add(*call)
     assert clock.stop(even) is None and clock.stop(None) is None
 
@@ -426,17 +431,17 @@ def test_the_wire_time_goes_with_the_transfer_into_the_file(flower_loop, tmp_pat
     moved = [0]
     monkeypatch.setattr(sn, "interface_bytes", lambda: (moved[0], 0))
 
-    def pull_object(run_id, obj_id):  # "a": the ends' work, then 100 kB in ~50 ms on the wire; "b", "c": small
+    def pull_object(run_id, obj_id):  # "a": the ends' work, then 200 kB in ~50 ms on the wire; "b", "c": small
         if obj_id != "a":
             return b"x"
         time.sleep(0.05)
         for _ in range(25):
-            moved[0] += 4_000
+            moved[0] += 8_000
             time.sleep(0.002)
         time.sleep(0.05)
-        return b"x" * 99_998
+        return b"x" * 199_998
 
     sci._pull_and_store_message(state=_State(), receive=lambda: (_Msg("msg-1"), None), pull_object=pull_object)
     down = sn.read_link_file(42, tmp_path)["down"]
-    assert down["bytes"] == 100_000 and down["seconds"] > 0.15
+    assert down["bytes"] == 200_000 and down["seconds"] > 0.15
     assert down["wire_s"] is not None and 0.03 < down["wire_s"] < down["seconds"] * 0.6
