@@ -9,7 +9,9 @@ a link. Steps per round:
    deadline of its own (:func:`fedcomp.links.resolve_link`).
 2. The budget: min(byte cap, uplink bytes in the time the deadline leaves after the download,
    the compute measured so far and the upload latency) (:func:`fedcomp.links.upload_budget`).
-   No cap and no deadline: no budget, the configured codec as is.
+   No cap and no deadline: no budget, the configured codec as is. The compute includes a reserve
+   for this round's encode, not yet measured (:func:`encode_reserve`): where recent encodes of
+   different sizes show it growing with the bytes, at the size the budget leaves.
 3. The fit: :func:`fedcomp.budget.fit_update` picks the codec's free parameter so that the whole
    reply, counted as the server counts it (Flower's serialized bytes of every record in the
    reply), fits the budget. The record's own bytes are measured on a reply built around an
@@ -35,6 +37,59 @@ from fedcomp.budget import FALLBACKS, BudgetTooSmall, fit_update
 from fedcomp import links
 
 REFITS = 4  # fits at most per upload (the first plus corrections for the record's framing)
+
+
+ENCODE_MARGIN = 1.5  # an encode's reserve: this many times its predicted (or longest recent) time
+
+
+def _encode_line(sizes: list[int], seconds: list[float]) -> tuple[float, float] | None:
+    """(fixed seconds, seconds per byte) of encodes' times on their sizes: least squares over pairs
+    whose sizes differ 1.5x or more, with a positive slope; else None."""
+    if len(sizes) < 2 or max(sizes) < 1.5 * max(min(sizes), 1):
+        return None
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(seconds) / n
+    slope = sum((b - mx) * (t - my) for b, t in zip(sizes, seconds)) / sum((b - mx) ** 2 for b in sizes)
+    if slope <= 0:
+        return None
+    return max(0.0, my - slope * mx), slope
+
+
+def encode_reserve(link: links.Link, download_bytes: int, compute_s: float, seconds: list[float],
+                   sizes: list[int]) -> float:
+    """Seconds to reserve for this round's encode in the budget, from the node's recent encodes
+    (``seconds``, and the reply ``sizes`` they made, oldest first; ``sizes`` may be shorter: older
+    states kept no sizes). None yet: as long as decode and training took (``compute_s``). Sizes that
+    differ (slow start spreads them) give a line of seconds on bytes (the fit searches more and each
+    encode writes more as the budget grows): :data:`ENCODE_MARGIN` x that line at the budget it
+    leaves, the largest ``b`` with ``b <= upload_budget(link, download_bytes, compute_s + reserve(b))``.
+    Otherwise :data:`ENCODE_MARGIN` x the longest recent encode."""
+    if not seconds:
+        return compute_s
+    longest = ENCODE_MARGIN * max(seconds)
+    pairs = list(zip(sizes[::-1], seconds[::-1]))  # aligned from the newest
+    line = _encode_line([b for b, _ in pairs], [t for _, t in pairs])
+    if line is None:
+        return longest
+    fixed, per_byte = line
+
+    def reserve(b: int) -> float:
+        return ENCODE_MARGIN * (fixed + per_byte * b)
+
+    def fits(b: int) -> bool:
+        got = links.upload_budget(link, download_bytes, compute_s + reserve(b))
+        return got is not None and b <= got
+
+    top = links.upload_budget(link, download_bytes, compute_s + reserve(0))
+    if top is None or top == 0:
+        return reserve(0) if top == 0 else longest
+    if fits(top):
+        return reserve(top)
+    lo, hi = 0, top  # fits(lo), not fits(hi): the budget falls as b grows, so bisect
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return reserve(lo)
 
 
 @dataclass

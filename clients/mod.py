@@ -58,13 +58,12 @@ from fedcomp import protocol as P
 from fedcomp.adapt import FAST_KBPS
 from fedcomp.base import add_residual
 from fedcomp.broadcast import ResyncNeeded, apply_plan, model_step, parse_thresholds, reference_crc, tier_for_kbps
-from fedcomp.clients.budgeting import budgeted_upload
+from fedcomp.clients.budgeting import budgeted_upload, encode_reserve
 from fedcomp.msgsize import message_bytes
 from fedcomp.clients.state import ClientState
 from fedcomp.wire import REPLY_TAG, REPLY_TOKEN, TOKEN_BITS, arena, output_like, reply_tag
 
-ENCODE_HISTORY = 5  # recent encode times kept; the budget reserves the longest of them (x ENCODE_MARGIN)
-ENCODE_MARGIN = 1.5
+ENCODE_HISTORY = 5  # recent encodes kept (seconds, reply bytes): the budget's encode reserve (budgeting.encode_reserve)
 UNWRAPPED_WARNING = (
     "fedcomp: this node has compression_mod but received a train message without fedcomp's record: the "
     "server's strategy is not wrapped in CompressedStrategy, so nothing is compressed. Wrap it: "
@@ -565,10 +564,10 @@ def _budgeted_reply(state, cfg, spec, link, delta, residual, codec_state, rest, 
     """Step 3 for a node with a link: the reply whose whole size fits the link's budget."""
     encode_start = perf_counter()
     compute_s = encode_start - start  # decode + training
-    history = list(state.encode_seconds)
-    # this round's encode time is not known yet: reserve 1.5x the longest recent one (first round:
-    # as long as decode + training took) so a noisy encode does not push the node past its deadline
-    reserve = ENCODE_MARGIN * max(history) if history else compute_s
+    history, sizes = list(state.encode_seconds), [int(b) for b in state.encode_bytes]
+    # this round's encode time is not known yet: reserve 1.5x what recent ones predict at the budget
+    # (first round: as long as decode + training took) so the encode does not push the node past its deadline
+    reserve = encode_reserve(link, download_seen, compute_s, history, sizes)
 
     def build(payload: bytes, used: str) -> RecordDict:
         content = RecordDict(dict(rest.items()))
@@ -595,6 +594,8 @@ def _budgeted_reply(state, cfg, spec, link, delta, residual, codec_state, rest, 
               use_ef, beta, last_sent)
     encode_s = perf_counter() - encode_start  # the fit's search included: the client pays for it
     state.encode_seconds = (history + [encode_s])[-ENCODE_HISTORY:]
+    made = len(result.encoded.payload) if result.encoded is not None and result.content is not None else 0
+    state.encode_bytes = ([float(b) for b in sizes] + [float(made)])[-ENCODE_HISTORY:]
     if result.content is None:  # skipped: no payload, the update stays in the residual
         content = RecordDict(dict(rest.items()))
         content[P.UPLOAD_RECORD] = ConfigRecord({

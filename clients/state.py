@@ -168,8 +168,9 @@ class ClientState:
     # -- nothing lost: the last reply until the server acknowledges it (fedcomp.protocol.ACK_ROUND) --
     pending: Tensors | None = _slot(P.PENDING_STATE, "arrays")  # as the server decodes it
     pending_round: int | None = _slot(P.PENDING_INFO_STATE, "round")  # the round it was sent in
-    # -- budgets: recent encode seconds (the budget reserves the longest of them) --
+    # -- budgets: recent encode seconds and the payload bytes each made (the budget's encode reserve) --
     encode_seconds: list[float] = _slot(P.ENCODE_STATE, "seconds", factory=list)
+    encode_bytes: list[float] = _slot(P.ENCODE_BYTES_STATE, "seconds", factory=list)
     # -- misconfiguration: this node already warned that the strategy is not wrapped --
     warned_unwrapped: bool = _slot(WARNED_STATE, "flag", default=False)
 

@@ -72,6 +72,7 @@ BUDGET_REASON = "budget-reason"  # str: why the budget was too small (with BUDGE
 COMPUTE_S = "compute-s"  # float: measured seconds of decode + training + encode this round
 DOWNLOAD_SEEN = "download-bytes"  # int: bytes of the broadcast as the client counted them
 ENCODE_STATE = "fedcomp.encode-seconds"  # Context.state: ConfigRecord {"s": recent encode seconds}
+ENCODE_BYTES_STATE = "fedcomp.encode-bytes"  # Context.state: ConfigRecord {"s": the payload bytes those encodes made}
 
 # -- nothing lost: the server acknowledges aggregated replies; the client re-adds the rest --
 ACK_ROUND = "ack-round"  # int (server -> client): round of this node's last reply that reached the aggregate

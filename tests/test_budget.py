@@ -234,3 +234,28 @@ def test_the_controller_names_no_codec():
                     found.add(child.value)
     assert not found, f"fedcomp/budget.py's code names codecs {sorted(found)}"
     assert "topk" not in budget.__dict__ and not hasattr(budget, "SELECTORS")  # the old per-name tables are gone
+
+
+def test_the_encode_reserve_grows_with_the_budget_it_leaves():
+    """A node on a 5 Mbit/s uplink, 40 s deadline, whose encodes took 1.5 s at 1 MB and 5 s at 4 MB
+    (a search over more bytes): the reserve is 1.5x that line at the budget it leaves, the largest
+    such budget; with one size it is 1.5x the longest encode; before any, the decode and training time."""
+    from fedcomp.clients.budgeting import ENCODE_MARGIN, encode_reserve
+    from fedcomp.links import Link, upload_budget
+
+    link, down, compute = Link(5000, 50000, 30, deadline_s=40.0), 34_000_000, 15.0
+    assert encode_reserve(link, down, compute, [], []) == compute
+    assert encode_reserve(link, down, compute, [1.5, 1.6], [1_000_000, 1_000_000]) == pytest.approx(1.5 * 1.6)
+    assert encode_reserve(link, down, compute, [1.6], []) == pytest.approx(1.5 * 1.6)  # an older state: no sizes
+    seconds, sizes = [1.5, 5.0], [1_000_000, 4_000_000]
+    line = lambda b: ENCODE_MARGIN * (1.5 + (5.0 - 1.5) / 3_000_000 * (b - 1_000_000))  # noqa: E731
+    reserve = encode_reserve(link, down, compute, seconds, sizes)
+    b = upload_budget(link, down, compute + reserve)
+    assert reserve == pytest.approx(line(b), abs=1e-3)  # the reserve is the line's at the budget it leaves
+    assert upload_budget(link, down, compute + line(b + 1000)) < b + 1000  # a larger budget would not fit
+    flat = upload_budget(link, down, compute + ENCODE_MARGIN * 5.0)
+    assert b < flat  # where the longest encode alone was reserved, the 4x larger encode came late
+    # encodes that did not grow with their size (or a shrinking line): the longest, as before
+    assert encode_reserve(link, down, compute, [5.0, 1.5], sizes) == pytest.approx(1.5 * 5.0)
+    # the deadline already gone: the fixed part
+    assert encode_reserve(link, down, 60.0, seconds, sizes) == pytest.approx(ENCODE_MARGIN * (1.5 - 3.5 / 3))

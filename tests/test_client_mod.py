@@ -46,17 +46,17 @@ def test_state_round_trips_through_context_state_under_the_protocol_keys():
     state.residual = {"w": torch.full((2, 3), 0.5)}
     state.last_sent, state.last_round = {"w": torch.zeros(2, 3)}, 7
     state.pending, state.pending_round = {"w": torch.ones(2, 3)}, 6
-    state.encode_seconds = [0.1, 0.2]
+    state.encode_seconds, state.encode_bytes = [0.1, 0.2], [1000.0, 4000.0]
     state.warned_unwrapped = True
     state.save(context)
     assert set(context.state) == {P.REF_STATE, P.REF_INFO_STATE, P.RESIDUAL_STATE, P.LAST_SENT_STATE,
                                   P.LAST_ROUND_STATE, P.PENDING_STATE, P.PENDING_INFO_STATE, P.ENCODE_STATE,
-                                  WARNED_STATE}
+                                  P.ENCODE_BYTES_STATE, WARNED_STATE}
     assert int(context.state.config_records[P.REF_INFO_STATE][P.REF_VERSION]) == 7  # the keys older versions wrote
     again = ClientState.load(context)
     assert again.reference_info == (1, 7, 12345) and again.last_round == 7 and again.pending_round == 6
     assert torch.equal(again.residual["w"], state.residual["w"]) and again.encode_seconds == [0.1, 0.2]
-    assert again.warned_unwrapped
+    assert again.encode_bytes == [1000.0, 4000.0] and again.warned_unwrapped
     again.residual, again.pending, again.pending_round = None, None, None  # None removes the key
     again.save(context)
     assert P.RESIDUAL_STATE not in context.state and P.PENDING_INFO_STATE not in context.state
