@@ -63,7 +63,7 @@ from fedcomp.msgsize import message_bytes
 from fedcomp.clients.state import ClientState
 from fedcomp.wire import REPLY_TAG, REPLY_TOKEN, TOKEN_BITS, arena, output_like, reply_tag
 
-ENCODE_HISTORY = 5  # recent encodes kept (seconds, reply bytes): the budget's encode reserve (budgeting.encode_reserve)
+ENCODE_HISTORY = 5  # recent encodes kept (seconds, payload bytes): the budget's encode reserve (budgeting.encode_reserve)
 UNWRAPPED_WARNING = (
     "fedcomp: this node has compression_mod but received a train message without fedcomp's record: the "
     "server's strategy is not wrapped in CompressedStrategy, so nothing is compressed. Wrap it: "
