@@ -58,7 +58,7 @@ def _encode_line(sizes: list[int], seconds: list[float]) -> tuple[float, float] 
 def encode_reserve(link: links.Link, download_bytes: int, compute_s: float, seconds: list[float],
                    sizes: list[int]) -> float:
     """Seconds to reserve for this round's encode in the budget, from the node's recent encodes
-    (``seconds``, and the reply ``sizes`` they made, oldest first; ``sizes`` may be shorter: older
+    (``seconds``, and the payload ``sizes`` they made, oldest first; ``sizes`` may be shorter: older
     states kept no sizes). None yet: as long as decode and training took (``compute_s``). Sizes that
     differ (slow start spreads them) give a line of seconds on bytes (the fit searches more and each
     encode writes more as the budget grows): :data:`ENCODE_MARGIN` x that line at the budget it
