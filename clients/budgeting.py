@@ -35,6 +35,7 @@ import fedcomp
 from fedcomp.base import add_residual
 from fedcomp.budget import FALLBACKS, BudgetTooSmall, fit_update
 from fedcomp import links
+from fedcomp.adapt import rising_line
 
 REFITS = 4  # fits at most per upload (the first plus corrections for the record's framing)
 
@@ -47,12 +48,7 @@ def _encode_line(sizes: list[int], seconds: list[float]) -> tuple[float, float] 
     whose sizes differ 1.5x or more, with a positive slope; else None."""
     if len(sizes) < 2 or max(sizes) < 1.5 * max(min(sizes), 1):
         return None
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(seconds) / n
-    slope = sum((b - mx) * (t - my) for b, t in zip(sizes, seconds)) / sum((b - mx) ** 2 for b in sizes)
-    if slope <= 0:
-        return None
-    return max(0.0, my - slope * mx), slope
+    return rising_line(sizes, seconds)
 
 
 def encode_reserve(link: links.Link, download_bytes: int, compute_s: float, seconds: list[float],

@@ -19,12 +19,13 @@ Run it in place of ``flower-supernode``, with the same arguments::
    ends after the reply has left.
 
    A call's time is more than its bytes on the link: the SuperLink reads and serialises an
-   object before its first byte leaves, and this process parses it after the last arrives (for
-   a 34 MB object, a few tenths of a second at either end whatever the link's rate). So while a
+   object before its first byte leaves, and this process parses it after the last arrives: a cost
+   that grows with the object, not with the link's time, so on a fast link it reads as a slower
+   rate. So while a
    transfer is in flight the SuperNode also samples its network namespace's interface counters
    (:func:`interface_bytes`, Linux's ``/proc/net/dev``, loopback left out) every
    :data:`WIRE_SAMPLE_S` seconds, and records as ``wire_s`` the seconds the transfer's bytes took
-   crossing the interface at the rate its largest call's bytes did (:meth:`WireClock.stop`): the
+   crossing the interface at the rate its largest call's bytes did (:func:`transfer_wire_seconds`): the
    link's own rate, without the ends' work and without the round trips between calls. Where the
    counters did not see the transfer (a SuperLink on the same host, other traffic as large as
    the transfer, a call too short to sample, no call with most of the bytes) it records none, and
@@ -57,14 +58,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["DEFAULT_POLL_S", "IDLE_SHARE", "LinkLog", "Transfer", "WireClock", "install", "interface_bytes", "link_file",
-           "main", "read_link_file", "wire_seconds"]
+           "main", "read_link_file", "transfer_wire_seconds", "wire_seconds"]
 
 DEFAULT_POLL_S = 0.5  # longest wait of the SuperNode's loop (Flower's: 3 s after an empty poll, 0.5 s for a reply)
 POLL_ENV = "FEDCOMP_SUPERNODE_POLL_S"
 IDLE_SHARE = 0.05  # a wait is at most this share of the time since the node's last message (and >= the poll interval)
 LINK_FILE_FORMAT = 1
 NET_DEV = "/proc/net/dev"  # Linux: this network namespace's interfaces and their byte counters
-WIRE_SAMPLE_S = 0.004  # seconds between interface counter samples while a transfer is in flight (~40 us each)
+WIRE_SAMPLE_S = 0.004  # seconds between interface counter samples while a transfer is in flight
 WIRE_MIN_SAMPLES = 10  # a call whose middle bytes crossed in fewer sampling intervals is not wire-timed
 WIRE_MIN_BYTES = 65536  # nor is a smaller call: its time is TCP's and the link's start-up more than the rate
 WIRE_TAIL = 0.1  # the first and last share of a call's bytes left out of its wire time (see wire_seconds)
@@ -177,25 +178,31 @@ class WireClock:
         return self
 
     def stop(self, transfer: "Transfer | None") -> float | None:
-        """Stop sampling; the seconds ``transfer``'s bytes took on the wire at the rate its largest call's
-        bytes crossed it (:func:`wire_seconds` over that call's interval): a transfer is a few calls
-        with round trips between them, during which nothing crosses, and the small calls' bytes are
-        mostly those round trips. None where the largest call carries less than :data:`WIRE_SHARE`
-        of the bytes, or its bytes were not timed."""
+        """Stop sampling; :func:`transfer_wire_seconds` of ``transfer`` (None: nothing to time)."""
         if self._thread is None:
             return None
         self._stop.set()
         self._thread.join()
         self._sample()
-        call = None if transfer is None else transfer.largest()
-        if call is None or call[2] < WIRE_SHARE * transfer.bytes:
-            return None
-        start, end, nbytes = call
-        before = [s for s in self.samples if s[0] <= start][-1:]
-        after = [s for s in self.samples if s[0] >= end][:1]
-        inside = [s for s in self.samples if start < s[0] < end]
-        wire = wire_seconds(before + inside + after, nbytes, self.interval)
-        return None if wire is None else wire * transfer.bytes / nbytes
+        return None if transfer is None else transfer_wire_seconds(self.samples, transfer, self.interval)
+
+
+def transfer_wire_seconds(samples: Sequence[tuple[float, int]], transfer: "Transfer",
+                          interval: float = WIRE_SAMPLE_S) -> float | None:
+    """The seconds ``transfer``'s bytes took on the wire at the rate its largest call's bytes crossed
+    it (:func:`wire_seconds` over that call's interval of ``samples``): a transfer is a few calls
+    with round trips between them, during which nothing crosses, and the small calls' bytes are
+    mostly those round trips. None where the largest call carries less than :data:`WIRE_SHARE` of
+    the bytes, or its bytes were not timed."""
+    call = transfer.largest()
+    if call is None or call[2] < WIRE_SHARE * transfer.bytes:
+        return None
+    start, end, nbytes = call
+    before = [s for s in samples if s[0] <= start][-1:]
+    after = [s for s in samples if s[0] >= end][:1]
+    inside = [s for s in samples if start < s[0] < end]
+    wire = wire_seconds(before + inside + after, nbytes, interval)
+    return None if wire is None else wire * transfer.bytes / nbytes
 
 
 class Transfer:
@@ -376,11 +383,12 @@ def install(poll_s: float = DEFAULT_POLL_S, folder: Path | None = None) -> LinkL
         clock = WireClock("up").start()
         try:
             out = push(**kwargs)
-        finally:
-            wire_s = clock.stop(sends[0][2] if len(sends) == 1 else None)
+        finally:  # one reply's bytes on the interface (Flower's loop sends one at a time)
+            sent = sends[0][2] if len(sends) == 1 else None
+            wire_s = clock.stop(sent)
+        if sent is not None:
+            sent.wire_s = wire_s
         sleeps.mark()
-        if len(sends) == 1:  # one reply's bytes on the interface (Flower's loop sends one at a time)
-            sends[0][2].wire_s = wire_s
         for message, ids, transfer in sends:
             if transfer.calls == len(ids):  # every object arrived (a failure is logged by Flower)
                 log.record(state.get_node_id(), "up", message.metadata.reply_to_message_id, transfer)

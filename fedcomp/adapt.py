@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fedcomp.errors import FedcompError
@@ -162,6 +163,20 @@ class StrengthController:
         return decision
 
 
+def rising_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float] | None:
+    """(intercept >= 0, slope) of the least-squares line of ``ys`` on ``xs``; None unless the slope
+    is positive (the time of a transfer or an encode on its bytes)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    if slope <= 0:
+        return None
+    return max(0.0, my - slope * mx), slope
+
+
 @dataclass
 class LinkEstimator:
     """Per node and direction ('up' or 'down'): kbps and latency fitted to observed transfers.
@@ -205,14 +220,8 @@ class LinkEstimator:
         sizes = [b for b, _, _ in seen]
         if len(seen) < 3 or max(sizes) < self.spread * min(sizes):
             return None
-        n = len(seen)
-        mx = sum(sizes) / n
-        my = sum(s for _, s, _ in seen) / n
-        sxx = sum((b - mx) ** 2 for b in sizes)
-        slope = sum((b - mx) * (s - my) for b, s, _ in seen) / sxx
-        if slope <= 0:
-            return None
-        return max(0.0, my - slope * mx)
+        line = rising_line(sizes, [s for _, s, _ in seen])
+        return None if line is None else line[0]
 
     def uncertainty(self, node: int, direction: str) -> float | None:
         """Relative standard error of a time predicted from the estimate: the standard deviation of

@@ -402,26 +402,22 @@ def test_a_transfer_is_wire_timed_by_its_largest_call_without_the_round_trips_be
     then 20 kB, 10 kB; the wire rate is the big call's, so the transfer's 230 kB take 23/20 of its
     bulk, not the 0.4 s the bytes were spread over. A transfer without a call of most of its bytes
     is not wire-timed."""
-    clock = sn.WireClock("up", read=lambda: (0, 0))
-    clock._thread = True  # stand-in: the samples below, no thread
-    clock._stop = type("E", (), {"set": lambda self: None})()
-    clock._sample = lambda: True
     rate = 2_000_000  # bytes a second on the wire
-    clock.samples = [(round(i * 0.004, 4), 0) for i in range(26)]  # 0-0.1 s: the first round trip
+    samples = [(round(i * 0.004, 4), 0) for i in range(26)]  # 0-0.1 s: the first round trip
     for i in range(1, 26):  # 0.1-0.2 s: 200 kB
-        clock.samples.append((round(0.1 + i * 0.004, 4), int(min(200_000, rate * i * 0.004))))
+        samples.append((round(0.1 + i * 0.004, 4), int(min(200_000, rate * i * 0.004))))
     for i in range(1, 51):  # 0.2-0.4 s: round trips and the small calls' 30 kB
-        clock.samples.append((round(0.2 + i * 0.004, 4), 200_000 + (20_000 if i > 25 else 0) + (10_000 if i > 45 else 0)))
-    clock._thread = type("T", (), {"join": lambda self: None})()
+        samples.append((round(0.2 + i * 0.004, 4), 200_000 + (20_000 if i > 25 else 0) + (10_000 if i > 45 else 0)))
     t = sn.Transfer()
     for call in [(0.0, 0.2, 200_000), (0.2, 0.3, 20_000), (0.3, 0.4, 10_000)]:
         t.add(*call)
-    got = clock.stop(t)
+    got = sn.transfer_wire_seconds(samples, t)
     assert got == pytest.approx(230_000 / rate, rel=0.1) and got < 0.2
     even = sn.Transfer()
     for call in [(0.0, 0.2, 200_000), (0.2, 0.3, 200_000)]:
         even.add(*call)
-    assert clock.stop(even) is None and clock.stop(None) is None
+    assert sn.transfer_wire_seconds(samples, even) is None and sn.transfer_wire_seconds(samples, sn.Transfer()) is None
+    assert sn.WireClock("up", read=lambda: (0, 0)).start().stop(None) is None
 
 
 def test_the_wire_time_goes_with_the_transfer_into_the_file(flower_loop, tmp_path, monkeypatch):
